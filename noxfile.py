@@ -1,0 +1,69 @@
+"""Workspace sessions: `nox` runs lint, typecheck, tests; `nox -s demo`, `nox -s bench`."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.reuse_venv = "yes"
+nox.options.error_on_missing_interpreters = False
+
+PACKAGES = [
+    "packages/functional_optim",
+    "packages/dist_runtime",
+    "packages/compat_api",
+]
+CONSTRAINTS = ("-c", "constraints.txt")
+PYTHON_DIRS = ["packages", "tests", "benchmarks", "examples", "noxfile.py"]
+
+
+def _install_workspace(session: nox.Session, *extra: str) -> None:
+    """Install torch (pinned), the three packages editable, and ``extra`` requirements."""
+    session.install(*CONSTRAINTS, "torch==2.13.0")
+    editable: list[str] = []
+    for package in PACKAGES:
+        editable += ["-e", package]
+    session.install(*CONSTRAINTS, *editable, *extra)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check."""
+    session.install("ruff")
+    session.run("ruff", "check", *PYTHON_DIRS)
+    session.run("ruff", "format", "--check", *PYTHON_DIRS)
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict over packages/."""
+    _install_workspace(session, "mypy")
+    session.run(
+        "mypy",
+        "packages/functional_optim/src/functional_optim",
+        "packages/dist_runtime/src/dist_runtime",
+        "packages/compat_api/src/compat_api",
+    )
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """pytest over tests/ (distributed tests included; GPU tests skip without CUDA)."""
+    _install_workspace(
+        session, "pytest", "pytest-timeout", "hypothesis", "scikit-learn", "rich", "matplotlib"
+    )
+    session.run("pytest", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Train a digits classifier on 2 processes: ZeRO, post-local SGD, RPC optimizer."""
+    _install_workspace(session, "scikit-learn", "rich", "matplotlib")
+    session.run("python", "examples/demo.py", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Run every benchmark side by side with torch and write one markdown report."""
+    _install_workspace(session, "matplotlib")
+    session.run("python", "benchmarks/run_all.py", *session.posargs)

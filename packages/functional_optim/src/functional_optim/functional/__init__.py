@@ -1,0 +1,21 @@
+"""TorchScript-compilable functional optimizers: explicit gradients, no ``.grad`` reads."""
+
+from functional_optim.functional.adadelta import FunctionalAdadelta
+from functional_optim.functional.adagrad import FunctionalAdagrad
+from functional_optim.functional.adam import FunctionalAdam
+from functional_optim.functional.adamax import FunctionalAdamax
+from functional_optim.functional.adamw import FunctionalAdamW
+from functional_optim.functional.rmsprop import FunctionalRMSprop
+from functional_optim.functional.rprop import FunctionalRprop
+from functional_optim.functional.sgd import FunctionalSGD
+
+__all__ = [
+    "FunctionalAdadelta",
+    "FunctionalAdagrad",
+    "FunctionalAdam",
+    "FunctionalAdamW",
+    "FunctionalAdamax",
+    "FunctionalRMSprop",
+    "FunctionalRprop",
+    "FunctionalSGD",
+]
