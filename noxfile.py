@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import nox
 
 nox.options.sessions = ["lint", "typecheck", "tests"]
@@ -14,7 +16,11 @@ PACKAGES = [
     "packages/compat_api",
 ]
 CONSTRAINTS = ("-c", "constraints.txt")
-PYTHON_DIRS = ["packages", "tests", "benchmarks", "examples", "noxfile.py"]
+PYTHON_DIRS = [
+    path
+    for path in ("packages", "tests", "benchmarks", "examples", "noxfile.py")
+    if Path(path).exists()
+]
 
 
 def _install_workspace(session: nox.Session, *extra: str) -> None:
