@@ -1,0 +1,283 @@
+"""Parameter averaging over a process group through a reusable flat buffer.
+
+torch's ``average_parameters`` concatenates the parameters into a fresh buffer on every call,
+divides it by the group size, all-reduces it and re-points every ``param.data`` at a slice of the
+new buffer. The values after averaging are ``sum_r(x_r / n)`` computed in the promoted dtype of
+all parameters (``torch.cat`` promotes), then cast back to each parameter's dtype.
+
+This module computes the same values with the same op order (cast, divide, sum, cast back), so the
+result is bitwise equal to torch's, but keeps the flat buffer between calls: on the first call the
+parameters are re-pointed at slices of the buffer (as torch does), and later calls only check that
+they still live there, divide the buffer in place and all-reduce it. No concatenation, no fresh
+allocation and no copy back. Parameters that cannot live in the buffer (a dtype other than the
+promoted one, or a repeated entry) are copied in and out around the all-reduce.
+
+One buffer per device (torch supports a single device only); one all-reduce per buffer.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from dist_runtime.process_group import resolve_group
+
+__all__ = [
+    "FlatParameterCache",
+    "allreduce_mean_future",
+    "average_parameters",
+    "params_to_average",
+]
+
+# torch.cat's message when there is nothing to average, kept so that callers' handlers match.
+EMPTY_PARAMS_MESSAGE = (
+    "torch.cat(): expected a non-empty list of Tensors (no parameter to average: none of the "
+    "given parameters has a gradient yet; call backward() before averaging)"
+)
+
+
+def params_to_average(
+    params: Iterable[torch.Tensor] | Iterable[dict[str, object]],
+) -> list[torch.Tensor]:
+    """Select the parameters to average: those whose ``.grad`` is not None.
+
+    Accepts a model's ``parameters()`` or an optimizer's ``param_groups`` (dicts with a
+    ``"params"`` list). Order and repeats are kept.
+
+    Args:
+        params: parameters (``torch.nn.Parameter``) or parameter-group dicts.
+
+    Returns:
+        The parameters that have a gradient, in input order.
+
+    Raises:
+        NotImplementedError: for an entry that is neither a ``Parameter`` nor a dict.
+    """
+    selected: list[torch.Tensor] = []
+    for entry in params:
+        if isinstance(entry, torch.nn.Parameter):
+            if entry.grad is not None:
+                selected.append(entry)
+        elif isinstance(entry, dict):
+            group_params: Iterable[torch.Tensor] = entry["params"]  # type: ignore[assignment]
+            selected.extend(p for p in group_params if p.grad is not None)
+        else:
+            raise NotImplementedError(f"Parameter input of type {type(entry)} is not supported")
+    return selected
+
+
+class _DeviceBuffer:
+    """The flat buffer of one device and where each parameter sits in it.
+
+    Slots refer to parameters by their index in the averaged list (never by reference, so that a
+    cached buffer does not keep a dead model alive). Bound parameters live in the buffer
+    (``param.data`` is a view of it); copied ones are copied in before and out after the
+    all-reduce.
+    """
+
+    __slots__ = ("bound", "copied", "flat")
+
+    def __init__(self, params: Sequence[torch.Tensor], indices: Sequence[int]) -> None:
+        # torch.cat promotes mixed dtypes exactly as torch's average_parameters does.
+        self.flat = torch.cat([params[i].data.reshape(-1) for i in indices])
+        # (index, address, shape) of the parameters living in the buffer.
+        self.bound: list[tuple[int, int, torch.Size]] = []
+        # (index, slice of flat shaped like the parameter, parameter dtype) of copied ones.
+        self.copied: list[tuple[int, torch.Tensor, torch.dtype]] = []
+        seen: set[int] = set()
+        offset = 0
+        base = self.flat.data_ptr()
+        itemsize = self.flat.element_size()
+        for i in indices:
+            p = params[i]
+            numel = p.numel()
+            view = self.flat[offset : offset + numel].view(p.shape)
+            if numel == 0:
+                pass  # nothing to average; leave the parameter alone
+            elif p.dtype == self.flat.dtype and id(p) not in seen:
+                seen.add(id(p))
+                p.data = view
+                self.bound.append((i, base + offset * itemsize, p.shape))
+            else:
+                # Another dtype (cast like torch.cat / type_as) or a repeated entry (torch keeps
+                # the last slot's value, as copying back in order does).
+                self.copied.append((i, view, p.dtype))
+            offset += numel
+
+    def is_valid_for(self, params: Sequence[torch.Tensor]) -> bool:
+        """Whether bound parameters still live where they were put and copied ones still fit."""
+        dtype = self.flat.dtype
+        for i, address, shape in self.bound:
+            p = params[i]
+            if (
+                p.data_ptr() != address
+                or p.dtype != dtype
+                or p.shape != shape
+                or not p.is_contiguous()
+            ):
+                return False
+        for i, view, param_dtype in self.copied:
+            p = params[i]
+            if p.dtype != param_dtype or p.shape != view.shape or p.device != view.device:
+                return False
+        return True
+
+    def pack(self, params: Sequence[torch.Tensor]) -> None:
+        """Copy the parameters that do not live in the buffer into it (casting like torch.cat)."""
+        for i, view, _ in self.copied:
+            view.copy_(params[i].data)
+
+    def unpack(self, params: Sequence[torch.Tensor]) -> None:
+        """Copy averaged values back into the copied parameters (casting like ``type_as``)."""
+        for i, view, _ in self.copied:
+            params[i].data.copy_(view)
+
+
+class _Layout:
+    """Flat buffers (one per device) for one ordered list of parameters."""
+
+    __slots__ = ("buffers", "refs")
+
+    def __init__(self, params: Sequence[torch.Tensor], on_death: Callable[[object], None]) -> None:
+        by_device: dict[torch.device, list[int]] = {}
+        for i, p in enumerate(params):
+            by_device.setdefault(p.device, []).append(i)
+        self.buffers = [_DeviceBuffer(params, indices) for indices in by_device.values()]
+        # Weak references only: a cached layout must not keep a dead model's parameters alive.
+        self.refs = [weakref.ref(p, on_death) for p in params]
+
+    def is_valid_for(self, params: Sequence[torch.Tensor]) -> bool:
+        if any(ref() is not p for ref, p in zip(self.refs, params)):
+            return False
+        return all(buffer.is_valid_for(params) for buffer in self.buffers)
+
+
+class FlatParameterCache:
+    """Flat buffers kept between averaging calls, keyed by the (ordered) parameter list.
+
+    Entries are dropped when one of their parameters is garbage collected, when the parameters
+    were moved out of the buffer (``module.to``, ``param.data = ...``), or least recently used
+    beyond ``max_entries``.
+
+    Args:
+        max_entries: how many parameter lists to keep buffers for.
+    """
+
+    def __init__(self, max_entries: int = 4) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be at least 1, got {max_entries}")
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[int, ...], _Layout] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        """Forget every buffer (parameters keep their current values and storage)."""
+        self._entries.clear()
+
+    def layout(self, params: Sequence[torch.Tensor]) -> _Layout:
+        """The layout for ``params``: the cached one if still valid, else a freshly built one."""
+        key = tuple(map(id, params))
+        layout = self._entries.get(key)
+        if layout is not None and layout.is_valid_for(params):
+            self._entries.move_to_end(key)
+            return layout
+        layout = _Layout(params, functools.partial(_forget, weakref.ref(self), key))
+        self._entries[key] = layout
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+        return layout
+
+
+def _forget(
+    cache_ref: weakref.ReferenceType[FlatParameterCache], key: tuple[int, ...], _: object
+) -> None:
+    """Weakref callback: a parameter of ``key`` died, drop its buffers."""
+    cache = cache_ref()
+    if cache is not None:
+        cache._entries.pop(key, None)
+
+
+_DEFAULT_CACHE = FlatParameterCache()
+
+
+def average_parameters(
+    params: Iterable[torch.Tensor],
+    process_group: ProcessGroup | None = None,
+    cache: FlatParameterCache | None = None,
+) -> None:
+    """Average ``params`` in place over ``process_group`` (bitwise equal to torch's result).
+
+    Every rank of the group must call this with parameters of the same shapes and dtypes in the
+    same order. Ranks outside the group return without touching anything, as in torch.
+
+    Args:
+        params: the parameters to average (usually :func:`params_to_average`'s result).
+        process_group: the group; None for the default group.
+        cache: where flat buffers are kept between calls (a module-wide cache by default).
+
+    Raises:
+        RuntimeError: if ``params`` is empty (torch.cat raises the same in torch).
+    """
+    group = resolve_group(process_group)
+    if dist.get_rank(group) < 0:
+        return
+    plist = list(params)
+    if not plist:
+        raise RuntimeError(EMPTY_PARAMS_MESSAGE)
+    layout = (cache if cache is not None else _DEFAULT_CACHE).layout(plist)
+    size = dist.get_world_size(group)
+    with torch.no_grad():
+        for buffer in layout.buffers:
+            buffer.pack(plist)
+            # Same order as torch: divide first (avoids overflow in low precision), then sum.
+            buffer.flat.div_(size)
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+        if len(layout.buffers) == 1:
+            dist.all_reduce(layout.buffers[0].flat, group=group)
+        else:
+            works = [
+                dist.all_reduce(buffer.flat, group=group, async_op=True)
+                for buffer in layout.buffers
+            ]
+            for work in works:
+                if work is not None:
+                    work.wait()
+        for buffer in layout.buffers:
+            buffer.unpack(plist)
+
+
+def _first_value(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+    return fut.value()[0]
+
+
+def allreduce_mean_future(
+    tensor: torch.Tensor, process_group: ProcessGroup | None
+) -> torch.futures.Future[torch.Tensor]:
+    """Divide ``tensor`` by the group size in place, then start a sum all-reduce of it.
+
+    This is the gradient average DDP communication hooks return (divide first to avoid overflow
+    in low precision, exactly like torch's default hooks).
+
+    Args:
+        tensor: a flat gradient bucket.
+        process_group: the group; None for the default group.
+
+    Returns:
+        A future completed with the averaged tensor.
+    """
+    group = resolve_group(process_group)
+    tensor.div_(group.size())
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    assert work is not None
+    fut: torch.futures.Future[torch.Tensor] = work.get_future().then(_first_value)
+    return fut
