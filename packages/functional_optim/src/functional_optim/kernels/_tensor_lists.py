@@ -1,0 +1,111 @@
+"""Small TorchScript-compatible helpers for the multi-tensor and fused kernel paths.
+
+``group_by_device_dtype(tensors) -> List[List[int]]``
+    Indices of ``tensors`` grouped by (device, dtype) in first-seen order, like torch's
+    ``Optimizer._group_tensors_by_device_and_dtype`` (foreach fast paths and fused kernels need
+    one device and dtype per call).
+``select(tensors, indices) -> List[Tensor]``
+    ``[tensors[i] for i in indices]``.
+``real_views(tensors) -> List[Tensor]``
+    A new list where each complex tensor is replaced by ``torch.view_as_real`` of it (torch's
+    ``_view_as_real``, without mutating the caller's list).
+``has_complex(tensors) -> bool``
+    Whether any tensor is complex.
+``check_lengths(kernel, params, lists, names)``
+    Raises ``ValueError`` unless every list in ``lists`` has one tensor per param.
+"""
+
+from typing import List
+
+import torch
+from torch import Tensor
+
+
+def group_by_device_dtype(tensors: List[Tensor]) -> List[List[int]]:
+    """Group the indices of ``tensors`` by (device, dtype), keeping first-seen order.
+
+    Args:
+        tensors: the tensors to group (usually the params).
+
+    Returns:
+        One list of indices per distinct (device, dtype); a single group in the common case.
+    """
+    n = len(tensors)
+    if n == 0:
+        return []
+    first = tensors[0]
+    same = True
+    for t in tensors:
+        if t.device != first.device or t.dtype != first.dtype:
+            same = False
+            break
+    if same:
+        return [list(range(n))]
+    keys: List[str] = []
+    groups: List[List[int]] = []
+    for i in range(n):
+        t = tensors[i]
+        key = str(t.device) + "|" + str(t.dtype)
+        found = -1
+        for k in range(len(keys)):
+            if keys[k] == key:
+                found = k
+                break
+        if found < 0:
+            keys.append(key)
+            groups.append([i])
+        else:
+            groups[found].append(i)
+    return groups
+
+
+def select(tensors: List[Tensor], indices: List[int]) -> List[Tensor]:
+    """Return ``[tensors[i] for i in indices]``."""
+    return [tensors[i] for i in indices]
+
+
+def real_views(tensors: List[Tensor]) -> List[Tensor]:
+    """Return a new list with every complex tensor replaced by its real view."""
+    out: List[Tensor] = []
+    for t in tensors:
+        if torch.is_complex(t):
+            out.append(torch.view_as_real(t))
+        else:
+            out.append(t)
+    return out
+
+
+def has_complex(tensors: List[Tensor]) -> bool:
+    """Return whether any of ``tensors`` is complex."""
+    # A loop, not any(<generator>): TorchScript has no generator expressions.
+    for t in tensors:  # noqa: SIM110
+        if torch.is_complex(t):
+            return True
+    return False
+
+
+def check_lengths(
+    kernel: str, params: List[Tensor], lists: List[List[Tensor]], names: List[str]
+) -> None:
+    """Raise ``ValueError`` unless each of ``lists`` holds exactly one tensor per param.
+
+    Args:
+        kernel: the kernel's name, for the message.
+        params: the parameters.
+        lists: the per-param lists (grads, state buffers, steps).
+        names: the name of each list in ``lists``.
+
+    Raises:
+        ValueError: if a list's length differs from ``len(params)``.
+    """
+    for j in range(len(lists)):
+        if len(lists[j]) != len(params):
+            raise ValueError(
+                kernel
+                + ": expected one tensor per param in "
+                + names[j]
+                + " ("
+                + str(len(params))
+                + "), got "
+                + str(len(lists[j]))
+            )
