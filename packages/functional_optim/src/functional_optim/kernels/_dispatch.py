@@ -9,22 +9,33 @@ from typing import List
 
 from torch import Tensor
 
-IMPLS = ["auto", "single", "foreach", "fused"]
+IMPLS = ("auto", "single", "foreach", "fused")
 
 
-def _fused_supported(params: List[Tensor]) -> bool:
-    for p in params:
-        if p.device.type not in ["cpu", "cuda", "mps", "xpu"]:
-            return False
-        if not p.is_floating_point():
-            return False
-        if p.is_sparse:
-            return False
-    return True
+def _fused_devices() -> List[str]:
+    # torch's _get_fused_kernels_supported_devices() with the default private-use backend name.
+    return ["mps", "cuda", "xpu", "hpu", "cpu", "mtia", "privateuseone"]
+
+
+def _first_unfused(params: List[Tensor]) -> int:
+    """Index of the first param a fused kernel cannot take (-1 if none).
+
+    torch's fused kernels need dense floating-point (not complex) tensors on a supported device.
+    """
+    devices = _fused_devices()
+    for i in range(len(params)):
+        p = params[i]
+        if not p.is_floating_point() or p.is_sparse or p.device.type not in devices:
+            return i
+    return -1
 
 
 def resolve_impl(impl: str, params: List[Tensor], has_fused: bool) -> str:
     """Map ``impl`` (``auto``/``single``/``foreach``/``fused``) to the path to run.
+
+    ``auto`` picks ``fused`` when the algorithm has a fused kernel and every param can use it
+    (dense floating point, not complex, on a supported device); otherwise the per-tensor path
+    on CPU and the multi-tensor path elsewhere.
 
     Args:
         impl: the requested implementation; ``auto`` picks the fastest for the device.
@@ -35,24 +46,36 @@ def resolve_impl(impl: str, params: List[Tensor], has_fused: bool) -> str:
         One of ``single``, ``foreach`` or ``fused``.
 
     Raises:
-        ValueError: if ``impl`` is unknown, or ``fused`` is requested where it cannot run.
+        ValueError: if ``impl`` is unknown, or ``fused`` is requested for an algorithm without
+            a fused kernel.
+        RuntimeError: if ``fused`` is requested and a param cannot use it (torch's message).
     """
-    if impl not in IMPLS:
-        raise ValueError("impl must be one of auto, single, foreach, fused; got " + impl)
+    if impl != "auto" and impl != "single" and impl != "foreach" and impl != "fused":
+        raise ValueError(
+            "impl must be one of 'auto', 'single', 'foreach', 'fused'; got '" + impl + "'"
+        )
     if impl == "fused":
         if not has_fused:
-            raise ValueError("this algorithm has no fused implementation")
-        if not _fused_supported(params):
+            raise ValueError(
+                "impl='fused': this algorithm has no fused kernel; use 'single' or 'foreach'"
+            )
+        bad = _first_unfused(params)
+        if bad >= 0:
+            p = params[bad]
             raise RuntimeError(
                 "`fused=True` requires all the params to be floating point Tensors of "
-                "supported devices: ['cpu', 'cuda', 'mps', 'xpu']."
+                + "supported devices: ['mps', 'cuda', 'xpu', 'hpu', 'cpu', 'mtia', "
+                + "'privateuseone'] but "
+                + str(p.dtype)
+                + " and "
+                + p.device.type
             )
         return "fused"
     if impl != "auto":
         return impl
     if len(params) == 0:
         return "single"
-    if has_fused and _fused_supported(params):
+    if has_fused and _first_unfused(params) < 0:
         return "fused"
     if params[0].device.type == "cpu":
         return "single"
