@@ -20,7 +20,8 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ EMPTY_PARAMS_MESSAGE = (
 
 
 def params_to_average(
-    params: Iterable[torch.Tensor] | Iterable[dict[str, object]],
+    params: Iterable[torch.Tensor] | Iterable[Mapping[str, Any]],
 ) -> list[torch.Tensor]:
     """Select the parameters to average: those whose ``.grad`` is not None.
 
@@ -65,8 +66,7 @@ def params_to_average(
             if entry.grad is not None:
                 selected.append(entry)
         elif isinstance(entry, dict):
-            group_params: Iterable[torch.Tensor] = entry["params"]  # type: ignore[assignment]
-            selected.extend(p for p in group_params if p.grad is not None)
+            selected.extend(p for p in entry["params"] if p.grad is not None)
         else:
             raise NotImplementedError(f"Parameter input of type {type(entry)} is not supported")
     return selected

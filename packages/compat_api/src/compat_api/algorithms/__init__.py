@@ -1,0 +1,3 @@
+"""Drop-ins for ``torch.distributed.algorithms`` (model averaging, DDP communication hooks)."""
+
+__all__: list[str] = []
