@@ -128,9 +128,10 @@ def assert_tensors_equal(
                     f"shape {tuple(a.shape)}/{tuple(e.shape)}, max abs diff {worst}"
                 )
         else:
-            torch.testing.assert_close(
-                a, e, rtol=rtol, atol=atol, equal_nan=True, msg=lambda m, i=i: f"{what}[{i}]: {m}"
-            )
+            try:
+                torch.testing.assert_close(a, e, rtol=rtol, atol=atol, equal_nan=True)
+            except AssertionError as err:
+                raise AssertionError(f"{what}[{i}]: {err}") from None
 
 
 def assert_states_equal(

@@ -80,3 +80,23 @@ def resolve_impl(impl: str, params: List[Tensor], has_fused: bool) -> str:
     if params[0].device.type == "cpu":
         return "single"
     return "foreach"
+
+
+def take(tensors: List[Tensor], indices: List[int]) -> List[Tensor]:
+    """Return ``[tensors[i] for i in indices]``, or ``tensors`` itself when that is all of it.
+
+    Handing back the caller's own list in the common one-group case is not just a saving:
+    TorchScript's alias analysis treats a ``_foreach_*_``/``_fused_*_`` op that writes only to
+    lists built inside the script as dead code and drops it. Returning the input list (on one
+    branch) makes the written list possibly an input, so the op stays.
+
+    Args:
+        tensors: the full list.
+        indices: increasing positions to take (a whole group from ``group_by_device_dtype``).
+
+    Returns:
+        The selected tensors.
+    """
+    if len(indices) == len(tensors):
+        return tensors
+    return [tensors[i] for i in indices]

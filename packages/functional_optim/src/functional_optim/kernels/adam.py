@@ -10,12 +10,11 @@ from typing import List, Union
 import torch
 from torch import Tensor
 
-from functional_optim.kernels._dispatch import resolve_impl
+from functional_optim.kernels._dispatch import resolve_impl, take
 from functional_optim.kernels._tensor_lists import (
     group_by_device_dtype,
     has_complex,
     real_views,
-    select,
 )
 
 
@@ -92,14 +91,14 @@ def _adam_foreach(
     if len(params) == 0:
         return
     for idx in group_by_device_dtype(params):
-        g_params = select(params, idx)
-        g_grads = select(grads, idx)
-        g_exp_avgs = select(exp_avgs, idx)
-        g_exp_avg_sqs = select(exp_avg_sqs, idx)
+        g_params = take(params, idx)
+        g_grads = take(grads, idx)
+        g_exp_avgs = take(exp_avgs, idx)
+        g_exp_avg_sqs = take(exp_avg_sqs, idx)
         g_max: List[Tensor] = []
         if amsgrad:
-            g_max = select(max_exp_avg_sqs, idx)
-        g_steps = select(state_steps, idx)
+            g_max = take(max_exp_avg_sqs, idx)
+        g_steps = take(state_steps, idx)
         if has_complex(g_params):
             g_params = real_views(g_params)
             g_grads = real_views(g_grads)
@@ -160,18 +159,18 @@ def _adam_fused(
     if len(params) == 0:
         return
     for idx in group_by_device_dtype(params):
-        g_params = select(params, idx)
-        g_steps = select(state_steps, idx)
+        g_params = take(params, idx)
+        g_steps = take(state_steps, idx)
         g_max: List[Tensor] = []
         if amsgrad:
-            g_max = select(max_exp_avg_sqs, idx)
+            g_max = take(max_exp_avg_sqs, idx)
         torch._foreach_add_(g_steps, 1)
         if decoupled:
             torch._fused_adamw_(
                 g_params,
-                select(grads, idx),
-                select(exp_avgs, idx),
-                select(exp_avg_sqs, idx),
+                take(grads, idx),
+                take(exp_avgs, idx),
+                take(exp_avg_sqs, idx),
                 g_max,
                 g_steps,
                 lr=lr,
@@ -187,9 +186,9 @@ def _adam_fused(
         else:
             torch._fused_adam_(
                 g_params,
-                select(grads, idx),
-                select(exp_avgs, idx),
-                select(exp_avg_sqs, idx),
+                take(grads, idx),
+                take(exp_avgs, idx),
+                take(exp_avg_sqs, idx),
                 g_max,
                 g_steps,
                 lr=lr,
