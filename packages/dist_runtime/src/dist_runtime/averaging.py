@@ -225,14 +225,14 @@ def average_parameters(
         cache: where flat buffers are kept between calls (a module-wide cache by default).
 
     Raises:
-        RuntimeError: if ``params`` is empty (torch.cat raises the same in torch).
+        ValueError: if ``params`` is empty (torch.cat raises the same in torch).
     """
     group = resolve_group(process_group)
     if dist.get_rank(group) < 0:
         return
     plist = list(params)
     if not plist:
-        raise RuntimeError(EMPTY_PARAMS_MESSAGE)
+        raise ValueError(EMPTY_PARAMS_MESSAGE)
     layout = (cache if cache is not None else _DEFAULT_CACHE).layout(plist)
     size = dist.get_world_size(group)
     with torch.no_grad():

@@ -33,7 +33,7 @@ def average_parameters(
         process_group: the group; None for the default group.
 
     Raises:
-        RuntimeError: if ``params`` is empty.
+        ValueError: if ``params`` is empty (same type and leading words as torch's error).
     """
     _average_flat(params, process_group)
 
