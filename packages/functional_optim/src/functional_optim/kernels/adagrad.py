@@ -210,6 +210,36 @@ def adagrad_foreach(
         )
 
 
+# torch._fused_adagrad_ has no fake (meta) kernel, so torch.compile cannot trace it: run it
+# eagerly (a graph break) under torch.compile, and as a Python call from TorchScript.
+@torch.jit.ignore  # type: ignore[untyped-decorator]
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _fused_adagrad_call(
+    params: List[Tensor],
+    grads: List[Tensor],
+    state_sums: List[Tensor],
+    state_steps: List[Tensor],
+    lr: float,
+    weight_decay: float,
+    lr_decay: float,
+    eps: float,
+    maximize: bool,
+) -> None:
+    torch._fused_adagrad_(
+        params,
+        grads,
+        state_sums,
+        state_steps,
+        lr=lr,
+        lr_decay=lr_decay,
+        weight_decay=weight_decay,
+        eps=eps,
+        maximize=maximize,
+        grad_scale=None,
+        found_inf=None,
+    )
+
+
 def adagrad_fused(
     params: List[Tensor],
     grads: List[Tensor],
@@ -244,18 +274,8 @@ def adagrad_fused(
             g_sums = select(state_sums, idx)
             g_steps = select(state_steps, idx)
         torch._foreach_add_(g_steps, 1)
-        torch._fused_adagrad_(
-            g_params,
-            g_grads,
-            g_sums,
-            g_steps,
-            lr=lr,
-            lr_decay=lr_decay,
-            weight_decay=weight_decay,
-            eps=eps,
-            maximize=maximize,
-            grad_scale=None,
-            found_inf=None,
+        _fused_adagrad_call(
+            g_params, g_grads, g_sums, g_steps, lr, weight_decay, lr_decay, eps, maximize
         )
 
 
