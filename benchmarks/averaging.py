@@ -1,0 +1,281 @@
+"""Benchmark: parameter averaging (ours vs torch) and post-local SGD training on digits.
+
+Two gloo ranks on 127.0.0.1, spawned with timeouts:
+
+1. Time to average a 10M-parameter model: ``compat_api...utils.average_parameters`` against
+   torch's ``average_parameters`` in the same run (median over repetitions), plus the floor:
+   divide + all-reduce of a preallocated flat buffer.
+2. A small post-local SGD training run on scikit-learn's digits: DDP against post-local SGD with
+   period 4 and 8 (same warm-up), reporting all-reduced bytes per step after the warm-up and the
+   final test accuracy (mean +- std over seeds).
+
+Usage: ``python benchmarks/averaging.py [--quick]``; ``main(argv) -> str`` returns the markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import socket
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+WORLD_SIZE = 2
+
+
+# -- spawning -------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _entry(rank: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=WORLD_SIZE,
+            timeout=timedelta(seconds=60),
+        )
+        out.put((rank, "ok", fn(rank, *args)))
+        dist.destroy_process_group()
+    except BaseException:
+        out.put((rank, "error", traceback.format_exc()))
+
+
+def _spawn(fn: Callable[..., Any], *args: Any, timeout_s: float) -> list[Any]:
+    """Run ``fn(rank, *args)`` on two fresh gloo ranks; results by rank; kill on timeout."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(rank, port, fn, args, out), daemon=True)
+        for rank in range(WORLD_SIZE)
+    ]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < WORLD_SIZE:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"benchmark ranks did not finish within {timeout_s:.0f} s")
+            try:
+                rank, status, value = out.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                if any(not p.is_alive() for p in procs) and out.empty():
+                    dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
+                    if dead:
+                        raise RuntimeError(f"benchmark ranks {dead} died") from None
+                continue
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+    return [results[r] for r in range(WORLD_SIZE)]
+
+
+# -- 1. averaging time ----------------------------------------------------------------------------
+
+
+def _ten_million_params() -> list[torch.nn.Parameter]:
+    model = torch.nn.Sequential(*(torch.nn.Linear(1000, 1000) for _ in range(10)))
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    return params
+
+
+def _time_averaging(rank: int, reps: int) -> dict[str, list[float]]:
+    import torch.distributed as dist
+    from torch.distributed.algorithms.model_averaging import utils as torch_utils
+
+    from compat_api.algorithms.model_averaging import utils as our_utils
+
+    group = dist.group.WORLD
+    theirs, ours = _ten_million_params(), _ten_million_params()
+    with torch.no_grad():
+        for a, b in zip(theirs, ours):
+            b.copy_(a)
+    flat = torch.cat([p.detach().reshape(-1) for p in ours])
+
+    def floor() -> None:
+        flat.div_(WORLD_SIZE)
+        dist.all_reduce(flat, group=group)
+
+    cases: dict[str, Callable[[], None]] = {
+        "torch": lambda: torch_utils.average_parameters(iter(theirs), group),
+        "ours": lambda: our_utils.average_parameters(ours, group),
+        "floor": floor,
+    }
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for rep in range(reps + 1):  # the first round warms up (and builds our cached buffer)
+        for name, run in cases.items():
+            dist.barrier()
+            start = time.perf_counter()
+            run()
+            elapsed = time.perf_counter() - start
+            if rep:
+                times[name].append(elapsed)
+    # Same values as torch, bitwise.
+    assert all(torch.equal(a, b) for a, b in zip(theirs, ours))
+    return times
+
+
+# -- 2. post-local SGD on digits ------------------------------------------------------------------
+
+
+def _digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target, dtype=torch.int64)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    x, y = x[order], y[order]
+    split = int(0.8 * len(y))
+    return x[:split], y[:split], x[split:], y[split:]
+
+
+def _train(rank: int, period: int, seed: int, steps: int, warmup: int) -> dict[str, float]:
+    """Train with DDP (period 0) or post-local SGD (period > 0); count all-reduced bytes."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from compat_api.algorithms.ddp_comm_hooks.post_localSGD_hook import (
+        PostLocalSGDState,
+        post_localSGD_hook,
+    )
+    from compat_api.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from compat_api.post_localSGD_optimizer import PostLocalSGDOptimizer
+
+    sent = [0]
+    real_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sent[0] += tensor.numel() * tensor.element_size()
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce  # both the hook and the averager go through it
+    try:
+        x_train, y_train, x_test, y_test = _digits()
+        shard = slice(rank, None, WORLD_SIZE)
+        x_local, y_local = x_train[shard], y_train[shard]
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)
+        )
+        ddp = DistributedDataParallel(model)
+        # DDP is the hook that never leaves the warm-up (global gradient all-reduce every step);
+        # local SGD does not all-reduce gradients after the warm-up (no intra-node level here).
+        state = PostLocalSGDState(
+            process_group=None,
+            subgroup=None,
+            start_localSGD_iter=warmup if period else steps + 1,
+            post_local_gradient_allreduce=False,
+        )
+        ddp.register_comm_hook(state, post_localSGD_hook)
+        local = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        opt: torch.optim.Optimizer = (
+            PostLocalSGDOptimizer(local, PeriodicModelAverager(period, warmup_steps=warmup))
+            if period
+            else local
+        )
+        gen = torch.Generator().manual_seed(seed * 100 + rank)
+        after_warmup = 0
+        for step in range(steps):
+            if step == warmup:
+                after_warmup = sent[0]
+            idx = torch.randint(0, len(y_local), (32,), generator=gen)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x_local[idx]), y_local[idx]).backward()
+            opt.step()
+        if period:
+            # Finish on an averaged model, as one would before evaluating or checkpointing.
+            with torch.no_grad():
+                for p in ddp.parameters():
+                    real_all_reduce(p)
+                    p.div_(WORLD_SIZE)
+        with torch.no_grad():
+            accuracy = float((ddp.module(x_test).argmax(1) == y_test).float().mean())
+        return {
+            "bytes_per_step": (sent[0] - after_warmup) / (steps - warmup),
+            "accuracy": accuracy,
+        }
+    finally:
+        dist.all_reduce = real_all_reduce
+
+
+# -- report ---------------------------------------------------------------------------------------
+
+
+def _ms(values: list[float]) -> float:
+    return 1e3 * statistics.median(values)
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Run the benchmark; print and return its markdown tables."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="smoke-test sizes (< 60 s)")
+    args = parser.parse_args(argv)
+    reps = 3 if args.quick else 20
+    seeds = [0] if args.quick else [0, 1, 2]
+    steps, warmup = (300, 40) if args.quick else (1200, 100)
+
+    times = _spawn(_time_averaging, reps, timeout_s=120 if args.quick else 600)[0]
+    torch_ms, ours_ms, floor_ms = (_ms(times[k]) for k in ("torch", "ours", "floor"))
+    lines = [
+        f"### Parameter averaging, 10M params, {WORLD_SIZE} gloo ranks (median of {reps})",
+        "",
+        "| case | ours (ms) | torch (ms) | ratio |",
+        "|---|---:|---:|---:|",
+        f"| average_parameters | {ours_ms:.1f} | {torch_ms:.1f} | {ours_ms / torch_ms:.2f} |",
+        f"| floor: div + all-reduce of a flat buffer | {floor_ms:.1f} | {torch_ms:.1f} "
+        f"| {floor_ms / torch_ms:.2f} |",
+        "",
+        f"### Post-local SGD on digits, {WORLD_SIZE} ranks, {steps} steps, warm-up {warmup}, "
+        f"{len(seeds)} seed(s)",
+        "",
+        "| run | bytes all-reduced / step after warm-up | vs DDP | test accuracy |",
+        "|---|---:|---:|---:|",
+    ]
+    ddp_bytes = None
+    for label, period in (("DDP", 0), ("post-local SGD, period 4", 4), ("period 8", 8)):
+        runs = [_spawn(_train, period, seed, steps, warmup, timeout_s=120)[0] for seed in seeds]
+        per_step = statistics.mean(r["bytes_per_step"] for r in runs)
+        accs = [r["accuracy"] for r in runs]
+        ddp_bytes = ddp_bytes or per_step
+        spread = f" +- {statistics.stdev(accs):.3f}" if len(accs) > 1 else ""
+        lines.append(
+            f"| {label} | {per_step:,.0f} | {per_step / ddp_bytes:.3f} "
+            f"| {statistics.mean(accs):.3f}{spread} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    return table
+
+
+if __name__ == "__main__":
+    main()
