@@ -363,10 +363,7 @@ def test_complex_params_match_torch(name: str, path: str) -> None:
 @pytest.mark.parametrize(("name", "path"), [(n, p) for n, a in ALGOS.items() for p in a.paths])
 def test_mixed_dtypes_are_grouped(name: str, path: str) -> None:
     """One call over float32 and float64 params (several (device, dtype) groups)."""
-    algo = ALGOS[name]
-    params = make_params(((3,), (2, 2)), torch.float32) + make_params(((4,), ()), torch.float64)
-    params += make_params(((5,),), torch.float32, seed=7)
-    _check_parity(algo, path, algo.configs[-1], params, steps=3)
+    _check_parity(ALGOS[name], path, ALGOS[name].configs[-1], _mixed_params(), steps=3)
 
 
 # --- TorchScript -----------------------------------------------------------------------------
@@ -386,16 +383,30 @@ def test_every_exported_function_is_listed() -> None:
     assert set(EXPORTED) == expected
 
 
+def _mixed_params() -> list[Tensor]:
+    """float32 and float64 params interleaved: several (device, dtype) groups in one call."""
+    params = make_params(((3,), (2, 2)), torch.float32) + make_params(((4,), ()), torch.float64)
+    return params + make_params(((5,),), torch.float32, seed=7)
+
+
 @pytest.mark.parametrize("fn_name", EXPORTED)
 def test_scripted_kernel_matches_torch(fn_name: str, scripted: dict[str, Any]) -> None:
+    """Scripted kernels give torch's bits too, with one group, several groups and complex params.
+
+    (TorchScript's alias analysis can drop in-place foreach ops on lists built inside a script;
+    the multi-group and complex cases catch that.)
+    """
     name, _, path = fn_name.partition("_")
     algo = ALGOS[name]
     fn = scripted[fn_name]
     assert isinstance(fn, torch.jit.ScriptFunction)
     if not path:  # the dispatcher: auto on CPU
         path = "fused" if "fused" in algo.paths else "single"
-    params = make_params(SHAPES, dtype=torch.float32, seed=2)
-    _check_parity(algo, path, algo.configs[-1], params, steps=3, fn=fn)
+    cases = [make_params(SHAPES, dtype=torch.float32, seed=2), _mixed_params()]
+    if path != "fused":
+        cases.append(make_params(((3,), (2, 2), ()), dtype=torch.complex64, seed=3))
+    for params in cases:
+        _check_parity(algo, path, algo.configs[-1], params, steps=3, fn=fn)
 
 
 # --- Hypothesis: random shapes, dtypes, step counts -------------------------------------------

@@ -3,9 +3,7 @@
 ``group_by_device_dtype(tensors) -> List[List[int]]``
     Indices of ``tensors`` grouped by (device, dtype) in first-seen order, like torch's
     ``Optimizer._group_tensors_by_device_and_dtype`` (foreach fast paths and fused kernels need
-    one device and dtype per call).
-``select(tensors, indices) -> List[Tensor]``
-    ``[tensors[i] for i in indices]``.
+    one device and dtype per call). Gather a group with ``_dispatch.take``.
 ``real_views(tensors) -> List[Tensor]``
     A new list where each complex tensor is replaced by ``torch.view_as_real`` of it (torch's
     ``_view_as_real``, without mutating the caller's list).
@@ -57,11 +55,6 @@ def group_by_device_dtype(tensors: List[Tensor]) -> List[List[int]]:
         else:
             groups[found].append(i)
     return groups
-
-
-def select(tensors: List[Tensor], indices: List[int]) -> List[Tensor]:
-    """Return ``[tensors[i] for i in indices]``."""
-    return [tensors[i] for i in indices]
 
 
 def real_views(tensors: List[Tensor]) -> List[Tensor]:

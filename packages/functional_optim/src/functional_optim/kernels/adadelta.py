@@ -12,13 +12,12 @@ from typing import List
 import torch
 from torch import Tensor
 
-from functional_optim.kernels._dispatch import resolve_impl
+from functional_optim.kernels._dispatch import resolve_impl, take
 from functional_optim.kernels._tensor_lists import (
     check_lengths,
     group_by_device_dtype,
     has_complex,
     real_views,
-    select,
 )
 
 
@@ -147,28 +146,13 @@ def adadelta_foreach(
     Arguments and exceptions as in :func:`adadelta_single`.
     """
     _check(params, grads, square_avgs, acc_deltas, state_steps)
-    groups = group_by_device_dtype(params)
-    if len(groups) == 1:
+    for idx in group_by_device_dtype(params):
         _foreach_group(
-            params,
-            grads,
-            square_avgs,
-            acc_deltas,
-            state_steps,
-            lr,
-            rho,
-            eps,
-            weight_decay,
-            maximize,
-        )
-        return
-    for idx in groups:
-        _foreach_group(
-            select(params, idx),
-            select(grads, idx),
-            select(square_avgs, idx),
-            select(acc_deltas, idx),
-            select(state_steps, idx),
+            take(params, idx),
+            take(grads, idx),
+            take(square_avgs, idx),
+            take(acc_deltas, idx),
+            take(state_steps, idx),
             lr,
             rho,
             eps,

@@ -14,13 +14,12 @@ from typing import List
 import torch
 from torch import Tensor
 
-from functional_optim.kernels._dispatch import resolve_impl
+from functional_optim.kernels._dispatch import resolve_impl, take
 from functional_optim.kernels._tensor_lists import (
     check_lengths,
     group_by_device_dtype,
     has_complex,
     real_views,
-    select,
 )
 
 
@@ -190,18 +189,12 @@ def adagrad_foreach(
     """
     _check(params, grads, state_sums, state_steps)
     _check_sparse_weight_decay(grads, weight_decay)
-    groups = group_by_device_dtype(params)
-    if len(groups) == 1:
+    for idx in group_by_device_dtype(params):
         _foreach_group(
-            params, grads, state_sums, state_steps, lr, weight_decay, lr_decay, eps, maximize
-        )
-        return
-    for idx in groups:
-        _foreach_group(
-            select(params, idx),
-            select(grads, idx),
-            select(state_sums, idx),
-            select(state_steps, idx),
+            take(params, idx),
+            take(grads, idx),
+            take(state_sums, idx),
+            take(state_steps, idx),
             lr,
             weight_decay,
             lr_decay,
@@ -266,13 +259,10 @@ def adagrad_fused(
     if _any_sparse(grads) or has_complex(params):
         raise RuntimeError("`fused` does not support sparse grad or complex param")
     for idx in group_by_device_dtype(params):
-        if len(idx) == len(params):
-            g_params, g_grads, g_sums, g_steps = params, grads, state_sums, state_steps
-        else:
-            g_params = select(params, idx)
-            g_grads = select(grads, idx)
-            g_sums = select(state_sums, idx)
-            g_steps = select(state_steps, idx)
+        g_params = take(params, idx)
+        g_grads = take(grads, idx)
+        g_sums = take(state_sums, idx)
+        g_steps = take(state_steps, idx)
         torch._foreach_add_(g_steps, 1)
         _fused_adagrad_call(
             g_params, g_grads, g_sums, g_steps, lr, weight_decay, lr_decay, eps, maximize

@@ -13,13 +13,12 @@ from typing import List
 import torch
 from torch import Tensor
 
-from functional_optim.kernels._dispatch import resolve_impl
+from functional_optim.kernels._dispatch import resolve_impl, take
 from functional_optim.kernels._tensor_lists import (
     check_lengths,
     group_by_device_dtype,
     has_complex,
     real_views,
-    select,
 )
 
 
@@ -181,32 +180,14 @@ def rmsprop_foreach(
     Arguments and exceptions as in :func:`rmsprop_single`.
     """
     _check(params, grads, square_avgs, grad_avgs, momentum_buffers, state_steps, momentum, centered)
-    groups = group_by_device_dtype(params)
-    if len(groups) == 1:
+    for idx in group_by_device_dtype(params):
         _foreach_group(
-            params,
-            grads,
-            square_avgs,
-            grad_avgs,
-            momentum_buffers,
-            state_steps,
-            lr,
-            alpha,
-            eps,
-            weight_decay,
-            momentum,
-            centered,
-            maximize,
-        )
-        return
-    for idx in groups:
-        _foreach_group(
-            select(params, idx),
-            select(grads, idx),
-            select(square_avgs, idx),
-            select(grad_avgs, idx) if centered else grad_avgs,
-            select(momentum_buffers, idx) if momentum > 0 else momentum_buffers,
-            select(state_steps, idx),
+            take(params, idx),
+            take(grads, idx),
+            take(square_avgs, idx),
+            take(grad_avgs, idx) if centered else grad_avgs,
+            take(momentum_buffers, idx) if momentum > 0 else momentum_buffers,
+            take(state_steps, idx),
             lr,
             alpha,
             eps,

@@ -13,13 +13,12 @@ from typing import List
 import torch
 from torch import Tensor
 
-from functional_optim.kernels._dispatch import resolve_impl
+from functional_optim.kernels._dispatch import resolve_impl, take
 from functional_optim.kernels._tensor_lists import (
     check_lengths,
     group_by_device_dtype,
     has_complex,
     real_views,
-    select,
 )
 
 
@@ -151,28 +150,13 @@ def rprop_foreach(
     Arguments and exceptions as in :func:`rprop_single`.
     """
     _check(params, grads, prevs, step_sizes, state_steps)
-    groups = group_by_device_dtype(params)
-    if len(groups) == 1:
+    for idx in group_by_device_dtype(params):
         _foreach_group(
-            params,
-            grads,
-            prevs,
-            step_sizes,
-            state_steps,
-            step_size_min,
-            step_size_max,
-            etaminus,
-            etaplus,
-            maximize,
-        )
-        return
-    for idx in groups:
-        _foreach_group(
-            select(params, idx),
-            select(grads, idx),
-            select(prevs, idx),
-            select(step_sizes, idx),
-            select(state_steps, idx),
+            take(params, idx),
+            take(grads, idx),
+            take(prevs, idx),
+            take(step_sizes, idx),
+            take(state_steps, idx),
             step_size_min,
             step_size_max,
             etaminus,
