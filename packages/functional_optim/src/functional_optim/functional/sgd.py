@@ -1,11 +1,131 @@
 """FunctionalSGD: a TorchScript-compilable SGD that takes gradients explicitly.
 
-Placeholder fixed by the workspace skeleton; the implementation replaces it.
+Drop-in for ``torch.distributed.optim._FunctionalSGD`` (same constructor, attributes and state;
+like torch, no hyperparameter validation) without its deprecation warning.
 """
+
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from functional_optim.functional._scripting import prepare_class
+from functional_optim.functional._state import check_lengths, check_not_empty, ensure_state
+from functional_optim.functional.adam import pick_impl
+from functional_optim.kernels.sgd import sgd_impl
+
+
+def _any_sparse(grads: List[Tensor]) -> bool:
+    for g in grads:  # noqa: SIM110 (TorchScript has no generator expressions)
+        if g.is_sparse:
+            return True
+    return False
 
 
 class FunctionalSGD:
-    """SGD: explicit gradients, like torch.distributed.optim._FunctionalSGD."""
+    """SGD over explicit gradients, like ``torch.distributed.optim._FunctionalSGD``.
 
-    def __init__(self) -> None:
-        raise NotImplementedError("FunctionalSGD not implemented yet")
+    When neither ``foreach`` nor ``fused`` is set, the fastest kernel for the device is used
+    (torch's fused kernel on CPU; the per-tensor one for sparse gradients), which matches
+    torch's default loop up to float rounding; ``foreach=True`` / ``fused=True`` match torch
+    bitwise.
+
+    Args:
+        params: the parameters to optimize (one group).
+        lr: learning rate.
+        momentum: momentum factor.
+        dampening: dampening for momentum.
+        weight_decay: L2 penalty.
+        nesterov: use Nesterov momentum.
+        maximize: maximize the objective instead of minimizing.
+        foreach: use the multi-tensor kernel.
+        fused: use torch's fused kernel.
+        _allow_empty_param_list: accept an empty ``params``.
+
+    Raises:
+        ValueError: for an empty ``params`` (torch's message).
+        RuntimeError: if ``fused=True`` and a param cannot use the fused kernel.
+    """
+
+    def __init__(
+        self,
+        params: List[Tensor],
+        lr: float = 1e-2,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        maximize: bool = False,
+        foreach: bool = False,
+        fused: bool = False,
+        _allow_empty_param_list: bool = False,
+    ) -> None:
+        self.defaults: Dict[str, float] = {
+            "lr": lr,
+            "momentum": momentum,
+            "dampening": dampening,
+            "weight_decay": weight_decay,
+        }
+        self.nesterov = nesterov
+        self.maximize = maximize
+        self.foreach = foreach
+        self.fused = fused
+        self.state: Dict[Tensor, Dict[str, Tensor]] = {}
+        check_not_empty(params, _allow_empty_param_list)
+        self.param_group: Dict[str, List[Tensor]] = {"params": params}
+        self._impl = pick_impl(params, foreach, fused, True)
+
+    @staticmethod
+    def __prepare_scriptable__() -> type:
+        """Hook for ``torch.jit.script``: compile with names resolved in this module."""
+        return prepare_class(FunctionalSGD)
+
+    def _update(self, params: List[Tensor], gradients: List[Optional[Tensor]]) -> None:
+        params_with_grad: List[Tensor] = []
+        grads: List[Tensor] = []
+        states: List[Dict[str, Tensor]] = []
+        bufs: List[Optional[Tensor]] = []
+        for i in range(len(params)):
+            grad = gradients[i]
+            if grad is not None:
+                entry = ensure_state(self.state, params[i], [], [], False, False)
+                params_with_grad.append(params[i])
+                grads.append(grad)
+                states.append(entry)
+                bufs.append(entry.get("momentum_buffer"))
+        impl = self._impl
+        if impl == "fused" and not self.fused and _any_sparse(grads):
+            impl = "single"  # auto picked fused, but it cannot take sparse gradients
+        d = self.defaults
+        with torch.no_grad():
+            sgd_impl(
+                params_with_grad,
+                grads,
+                bufs,
+                d["lr"],
+                d["momentum"],
+                d["dampening"],
+                d["weight_decay"],
+                self.nesterov,
+                self.maximize,
+                impl,
+            )
+        for i in range(len(states)):
+            buf = bufs[i]
+            if buf is not None:
+                states[i]["momentum_buffer"] = buf
+
+    def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
+        """Update one parameter with its gradient (a None gradient does nothing; torch fails)."""
+        gradients: List[Optional[Tensor]] = [grad]
+        self._update([param], gradients)
+
+    def step(self, gradients: List[Optional[Tensor]]) -> None:
+        """Update every parameter whose gradient is not None.
+
+        Raises:
+            ValueError: if ``gradients`` and the params differ in length.
+        """
+        params = self.param_group["params"]
+        check_lengths(params, gradients)
+        self._update(params, gradients)
