@@ -544,3 +544,31 @@ def test_adagrad_sparse_grad_with_weight_decay_raises_like_torch() -> None:
         assert str(ours.value) == str(torch_err.value)
     assert float(steps[0]) == 0.0
     assert torch.equal(params[0], torch.ones(4))
+
+
+# --- CUDA (skipped without a GPU) --------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("name", "path"), [(n, p) for n, a in ALGOS.items() for p in a.paths])
+def test_cuda_path_matches_torch_bitwise(name: str, path: str) -> None:
+    """On CUDA each path equals torch.optim with the matching flag (fused steps on the device)."""
+    algo = ALGOS[name]
+    hyper = algo.configs[-1]
+    for dtype in FLOAT_DTYPES:
+        params = [p.cuda() for p in make_params(SHAPES, dtype=dtype, seed=6)]
+        grads: list[list[Tensor | None]] = [
+            [None if g is None else g.cuda() for g in row] for row in make_grads(params, 4)
+        ]
+        expected = run_torch(algo.torch_cls, params, grads, **TORCH_FLAGS[path], **hyper)
+        ours = [p.clone() for p in params]
+        state = algo.init(ours, hyper)
+        if path == "fused":
+            state["step"] = [s.to(p.device) for s, p in zip(state["step"], ours, strict=True)]
+        for row in grads:
+            algo.call(
+                algo.paths[path], ours, [g.clone() for g in row if g is not None], state, hyper
+            )
+        assert_tensors_equal(ours, expected.params, what=f"{name}/{path} cuda params")
+        got = [{k: v[i] for k, v in state.items()} for i in range(len(ours))]
+        assert_states_equal(got, expected.states)
