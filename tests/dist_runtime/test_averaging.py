@@ -253,3 +253,24 @@ def test_allreduce_mean_future(world2: World) -> None:
 def test_cache_rejects_bad_size() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         FlatParameterCache(0)
+
+
+def _check_repeated_parameter(rank: int, world_size: int) -> bool:
+    """A parameter listed twice: torch keeps the last slot's value; so do we (bitwise)."""
+    gen = torch.Generator().manual_seed(rank)
+    theirs = [torch.nn.Parameter(torch.randn(4, 3, generator=gen)) for _ in range(2)]
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in theirs]
+    cache = FlatParameterCache()
+    for _ in range(2):
+        with torch.no_grad():
+            for t, o in zip(theirs, ours):
+                t.mul_(rank + 1.5)
+                o.mul_(rank + 1.5)
+        torch_utils.average_parameters(iter([theirs[0], theirs[1], theirs[0]]), dist.group.WORLD)
+        average_parameters([ours[0], ours[1], ours[0]], None, cache)
+        assert all(torch.equal(t, o) for t, o in zip(theirs, ours))
+    return True
+
+
+def test_repeated_parameter_like_torch(world2: World) -> None:
+    assert world2.run(_check_repeated_parameter) == [True, True]
