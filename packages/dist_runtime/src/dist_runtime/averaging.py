@@ -13,6 +13,11 @@ allocation and no copy back. Parameters that cannot live in the buffer (a dtype 
 promoted one, or a repeated entry) are copied in and out around the all-reduce.
 
 One buffer per device (torch supports a single device only); one all-reduce per buffer.
+
+Caveats: buffers live in a cache keyed by the parameter list (module-wide unless a
+:class:`FlatParameterCache` is passed; entries die with their parameters). Because bound
+parameters are divided in place, a failing all-reduce (e.g. a timeout) leaves them divided by the
+group size, where torch would leave them untouched; the job is broken at that point anyway.
 """
 
 from __future__ import annotations
