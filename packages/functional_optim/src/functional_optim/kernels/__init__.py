@@ -13,12 +13,12 @@ from functional_optim.kernels.adagrad import (
     adagrad_fused,
     adagrad_single,
 )
-from functional_optim.kernels.adam import adam
-from functional_optim.kernels.adamax import adamax
-from functional_optim.kernels.adamw import adamw
+from functional_optim.kernels.adam import adam, adam_foreach, adam_fused, adam_single
+from functional_optim.kernels.adamax import adamax, adamax_foreach, adamax_single
+from functional_optim.kernels.adamw import adamw, adamw_foreach, adamw_fused, adamw_single
 from functional_optim.kernels.rmsprop import rmsprop, rmsprop_foreach, rmsprop_single
 from functional_optim.kernels.rprop import rprop, rprop_foreach, rprop_single
-from functional_optim.kernels.sgd import sgd
+from functional_optim.kernels.sgd import sgd, sgd_foreach, sgd_fused, sgd_single
 
 __all__ = [
     "adadelta",
@@ -29,8 +29,16 @@ __all__ = [
     "adagrad_fused",
     "adagrad_single",
     "adam",
+    "adam_foreach",
+    "adam_fused",
+    "adam_single",
     "adamax",
+    "adamax_foreach",
+    "adamax_single",
     "adamw",
+    "adamw_foreach",
+    "adamw_fused",
+    "adamw_single",
     "resolve_impl",
     "rmsprop",
     "rmsprop_foreach",
@@ -39,4 +47,7 @@ __all__ = [
     "rprop_foreach",
     "rprop_single",
     "sgd",
+    "sgd_foreach",
+    "sgd_fused",
+    "sgd_single",
 ]
