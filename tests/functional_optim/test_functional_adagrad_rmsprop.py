@@ -387,11 +387,11 @@ def test_scripted_class_matches_torch_optim(
 
 
 @pytest.mark.parametrize("name", list(SPECS))
-def test_class_scripts_directly(name: str, scripted: dict[str, Any]) -> None:
-    """After its first (recursive) compilation, ``torch.jit.script(cls)`` returns the class."""
+def test_class_scripts_directly(name: str) -> None:
+    """``torch.jit.script(cls)`` works from any caller (names resolve in the class's module)."""
     cls: Any = SPECS[name].ours  # Any: torch's stubs make script(<type>) look like NoReturn
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="`torch.jit.script` is deprecated")
         again = torch.jit.script(cls)
     assert again is cls
-    assert torch._jit_internal._qualified_name(cls) in str(scripted[name].graph)
+    assert torch.jit._state._get_script_class(cls) is not None  # type: ignore[no-untyped-call]

@@ -5,6 +5,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor
 
+from functional_optim.functional._scripting import prepare_class
 from functional_optim.functional._state import check_lengths, check_not_empty, gather
 from functional_optim.kernels import adadelta
 
@@ -57,6 +58,11 @@ class FunctionalAdadelta:
         self.param_group: Dict[str, List[Tensor]] = {"params": params}
         self.state: Dict[Tensor, Dict[str, Tensor]] = {}
         self._impl = "foreach" if foreach else "auto"
+
+    @staticmethod
+    def __prepare_scriptable__() -> type:
+        """Hook for ``torch.jit.script``: compile with names resolved in this module."""
+        return prepare_class(FunctionalAdadelta)
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Apply one Adadelta step with the given gradients (None skips a param).

@@ -5,6 +5,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor
 
+from functional_optim.functional._scripting import prepare_class
 from functional_optim.functional._state import (
     check_lengths,
     check_not_empty,
@@ -91,6 +92,11 @@ class FunctionalAdagrad:
             )
             if torch.is_complex(p):
                 torch.view_as_real(entry["sum"]).fill_(initial_accumulator_value)
+
+    @staticmethod
+    def __prepare_scriptable__() -> type:
+        """Hook for ``torch.jit.script``: compile with names resolved in this module."""
+        return prepare_class(FunctionalAdagrad)
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Apply one Adagrad step with the given gradients (None skips a param).

@@ -5,6 +5,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor
 
+from functional_optim.functional._scripting import prepare_class
 from functional_optim.functional._state import check_lengths, check_not_empty, gather
 from functional_optim.kernels import rmsprop
 
@@ -64,6 +65,11 @@ class FunctionalRMSprop:
         self.param_group: Dict[str, List[Tensor]] = {"params": params}
         self.state: Dict[Tensor, Dict[str, Tensor]] = {}
         self._impl = "foreach" if foreach else "auto"
+
+    @staticmethod
+    def __prepare_scriptable__() -> type:
+        """Hook for ``torch.jit.script``: compile with names resolved in this module."""
+        return prepare_class(FunctionalRMSprop)
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Apply one RMSprop step with the given gradients (None skips a param).

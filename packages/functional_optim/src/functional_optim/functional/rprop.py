@@ -5,6 +5,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from functional_optim.functional._scripting import prepare_class
 from functional_optim.functional._state import check_lengths, check_not_empty, gather
 from functional_optim.kernels import rprop
 
@@ -55,6 +56,11 @@ class FunctionalRprop:
         self.param_group: Dict[str, List[Tensor]] = {"params": params}
         self.state: Dict[Tensor, Dict[str, Tensor]] = {}
         self._impl = "foreach" if foreach else "auto"
+
+    @staticmethod
+    def __prepare_scriptable__() -> type:
+        """Hook for ``torch.jit.script``: compile with names resolved in this module."""
+        return prepare_class(FunctionalRprop)
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Apply one Rprop step with the given gradients (None skips a param).
