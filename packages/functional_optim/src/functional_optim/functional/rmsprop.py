@@ -8,6 +8,7 @@ from torch import Tensor
 from functional_optim.functional._scripting import prepare_class
 from functional_optim.functional._state import check_lengths, check_not_empty, gather
 from functional_optim.kernels import rmsprop
+from functional_optim.kernels._dispatch import resolve_impl
 
 
 class FunctionalRMSprop:
@@ -64,7 +65,8 @@ class FunctionalRMSprop:
         check_not_empty(params, _allow_empty_param_list)
         self.param_group: Dict[str, List[Tensor]] = {"params": params}
         self.state: Dict[Tensor, Dict[str, Tensor]] = {}
-        self._impl = "foreach" if foreach else "auto"
+        # Resolved once: the params are fixed, and the loop on CPU / foreach elsewhere is fastest.
+        self._impl = "foreach" if foreach else resolve_impl("auto", params, False)
 
     @staticmethod
     def __prepare_scriptable__() -> type:
