@@ -65,11 +65,12 @@ def tests(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """Train a digits classifier on 2 processes: ZeRO, post-local SGD, RPC optimizer."""
     _install_workspace(session, "scikit-learn", "rich", "matplotlib")
-    session.run("python", "examples/demo.py", *session.posargs)
+    session.run("python", "examples/demo.py", *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session
 def bench(session: nox.Session) -> None:
     """Run every benchmark side by side with torch and write one markdown report."""
-    _install_workspace(session, "matplotlib")
+    # scikit-learn: benchmarks that train on its bundled digits data set.
+    _install_workspace(session, "matplotlib", "scikit-learn")
     session.run("python", "benchmarks/run_all.py", *session.posargs)

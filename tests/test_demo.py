@@ -27,6 +27,7 @@ def _load(path: Path) -> ModuleType:
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while being created
     spec.loader.exec_module(module)
     return module
 
@@ -150,3 +151,69 @@ def test_demo_rejects_bad_options() -> None:
         with pytest.raises(SystemExit):
             demo.parse_args(argv)
     assert demo.parse_args(["--quick"]).world_size == 2
+
+
+# -- benchmarks/run_all.py ---------------------------------------------------------------------
+
+_SIZED = '''
+def main(argv=None):
+    quick = argv == ["--quick"]
+    return """### fake step time
+| optimizer | params | ours (ms) | torch (ms) | ratio |
+|---|---:|---:|---:|---:|
+| adam | 1K | 1.0 | 2.0 | 0.50 |
+| adam | 1M | 3.0 | 4.0 | 0.75 |
+| sgd | 1,000 | 1.0 | 1.0 | 1.00 |
+| sgd | 1,000,000 | 2.0 | 1.0 | 2.00x |
+""" + ("quick\\n" if quick else "")
+'''
+_CRASHING = "def main(argv=None):\n    raise RuntimeError('benchmark exploded')\n"
+
+
+@pytest.fixture
+def run_all() -> ModuleType:
+    return _load(ROOT / "benchmarks" / "run_all.py")
+
+
+def test_parse_number_reads_table_cells(run_all: ModuleType) -> None:
+    cases = {"1,024": 1024.0, "10M": 1e7, "1.5 KiB": 1536.0, "0.97x": 0.97, "**2**": 2.0}
+    for cell, value in cases.items():
+        assert run_all.parse_number(cell) == pytest.approx(value), cell
+    for cell in ("adam", "", "n/a", "1.0 ms per step"):
+        assert run_all.parse_number(cell) is None, cell
+
+
+def test_ratio_series_groups_rows_by_text_cells(run_all: ModuleType) -> None:
+    namespace: dict[str, Any] = {}
+    exec(_SIZED, namespace)
+    (table,) = run_all.parse_tables(namespace["main"]())
+    assert table.headers == ["optimizer", "params", "ours (ms)", "torch (ms)", "ratio"]
+    assert run_all.ratio_series(table) == {
+        "adam": [(1e3, 0.5), (1e6, 0.75)],
+        "sgd": [(1e3, 1.0), (1e6, 2.0)],
+    }
+    assert run_all.ratio_summary(namespace["main"]()) == "ratio: 0.50-2.00 (geomean 0.93)"
+
+
+def test_runner_reports_missing_and_crashed_and_charts(
+    run_all: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bench_dir = tmp_path / "bench"
+    bench_dir.mkdir()
+    (bench_dir / "fake_sized_bench.py").write_text(_SIZED)
+    (bench_dir / "fake_crashing_bench.py").write_text(_CRASHING)
+    out = tmp_path / "out"
+    names = "fake_sized_bench,fake_missing_bench,fake_crashing_bench"
+    argv = ["--quick", "--out", str(out), "--only", names, "--benchmarks-dir", str(bench_dir)]
+    assert run_all.main(argv) == 1  # a crash fails the run, after the report is written
+    report = (out / "REPORT.md").read_text()
+    assert "| fake_sized_bench | ok |" in report
+    assert "| fake_missing_bench | missing |" in report
+    assert "| fake_crashing_bench | crashed |" in report
+    assert "RuntimeError: benchmark exploded" in report
+    assert "quick" in report  # --quick was passed through
+    assert "| torch | 2.13" in report
+    assert "![fake_sized_bench ratio vs size](fake_sized_bench_ratio_vs_size.png)" in report
+    assert (out / "fake_sized_bench_ratio_vs_size.png").read_bytes().startswith(b"\x89PNG")
+    assert "benchmark exploded" in capsys.readouterr().err
+    assert str(bench_dir) not in sys.path
