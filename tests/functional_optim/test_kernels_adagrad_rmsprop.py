@@ -295,8 +295,15 @@ def _run_ours(
     ours = [p.clone() for p in params]
     state = algo.init(ours, hyper)
     for row in grads:
-        g = [t.clone() for t in row if t is not None]
+        given = [t for t in row if t is not None]
+        g = [t.clone() for t in given]
         algo.call(fn, ours, g, state, hyper, *impl)
+        dense = [t.to_dense() if t.is_sparse else t for t in g]
+        assert_tensors_equal(
+            dense,
+            [t.to_dense() if t.is_sparse else t for t in given],
+            what="grads must not be mutated",
+        )
     per_param = [{k: v[i] for k, v in state.items()} for i in range(len(ours))]
     return ours, per_param
 
