@@ -1,0 +1,86 @@
+"""Shared pieces of the aliases: torch's validation, the maximize flip, flat views for kernels."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from functional_optim._base import GradientTransformation, identity
+from functional_optim._transforms.scale import ScaleByScheduleState, Schedule, scale
+from functional_optim._tree import PyTree, leaves_like, tree_flatten
+
+LearningRate = float | Tensor | Schedule
+
+
+def check_lr(lr: LearningRate) -> None:
+    """torch's learning-rate checks (a schedule is accepted as is)."""
+    if callable(lr):
+        return
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if not lr >= 0.0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+
+
+def check_nonneg(value: float, what: str) -> None:
+    """Raise torch's ``ValueError(f"Invalid {what}: {value}")`` for a negative value."""
+    if not value >= 0.0:
+        raise ValueError(f"Invalid {what}: {value}")
+
+
+def check_betas(betas: Any) -> None:
+    """torch.optim.Adam/Adamax's ``betas`` range checks."""
+    if not 0.0 <= betas[0] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+
+
+def maximize_tx(maximize: bool) -> GradientTransformation:
+    """``scale(-1.0)`` (torch's ``grad = -grad``) when maximizing, else ``identity()``."""
+    return scale(-1.0) if maximize else identity()
+
+
+def lr_value(lr: LearningRate, schedule_state: Any) -> float:
+    """The learning rate of this step as a Python float (the kernels take floats).
+
+    For a schedule, evaluates it at the state's count and increments the count in place.
+    """
+    if callable(lr):
+        assert isinstance(schedule_state, ScaleByScheduleState)
+        value = float(lr(schedule_state.count))
+        schedule_state.count.add_(1)
+        return value
+    return float(lr)
+
+
+class FlatView:
+    """Params, grads and state trees flattened once for a kernel call.
+
+    ``idx`` are the positions with a gradient; ``take(leaves)`` keeps those, as torch's
+    ``_init_group`` skips params whose ``.grad`` is None.
+    """
+
+    def __init__(self, params: PyTree, grads: PyTree) -> None:
+        self.params, self.spec = tree_flatten(params)
+        self.grads = leaves_like(self.spec, grads, "grads")
+        self.idx = [i for i, g in enumerate(self.grads) if g is not None]
+
+    def leaves(self, tree: PyTree) -> list[Any]:
+        """Leaves of a state tree mirroring the params."""
+        return leaves_like(self.spec, tree, "state")
+
+    def take(self, leaves: list[Any]) -> list[Any]:
+        """The entries of ``leaves`` at the positions that have a gradient."""
+        return [leaves[i] for i in self.idx]
+
+    def unflatten(self, leaves: list[Any]) -> PyTree:
+        """Rebuild a tree shaped like the params."""
+        return self.spec.unflatten(leaves)
+
+
+def as_float(x: float | Tensor) -> float:
+    """A hyperparameter as a Python float (tensors are read once, outside the pure path)."""
+    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)

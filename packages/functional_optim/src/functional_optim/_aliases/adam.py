@@ -1,0 +1,193 @@
+"""``adam`` and ``adamw``: torch.optim.Adam / AdamW as transform chains with a fused step."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from torch import Tensor
+
+from functional_optim import kernels
+from functional_optim._aliases._common import (
+    FlatView,
+    LearningRate,
+    as_float,
+    check_betas,
+    check_lr,
+    check_nonneg,
+    lr_value,
+    maximize_tx,
+)
+from functional_optim._base import GradientTransformation, OptState, chain
+from functional_optim._transforms.adam import ScaleByAdamState, scale_by_adam
+from functional_optim._transforms.hyperparams import inject_hyperparams
+from functional_optim._transforms.scale import scale_by_learning_rate
+from functional_optim._transforms.weight_decay import add_decayed_weights
+from functional_optim._tree import PyTree
+
+__all__ = ["adam", "adamw"]
+
+_ADAM = 2  # position of ScaleByAdamState in the chain
+_LR = 4  # position of the learning-rate state
+
+
+def _adam_step(
+    params: PyTree,
+    grads: PyTree,
+    state: OptState,
+    *,
+    lr: LearningRate,
+    b1: float,
+    b2: float,
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    maximize: bool,
+    decoupled: bool,
+) -> OptState:
+    view = FlatView(params, grads)
+    st: ScaleByAdamState = state[_ADAM]
+    kernel = kernels.adamw if decoupled else kernels.adam
+    kernel(
+        view.take(view.params),
+        view.take(view.grads),
+        view.take(view.leaves(st.mu)),
+        view.take(view.leaves(st.nu)),
+        view.take(view.leaves(st.nu_max)) if amsgrad else [],
+        view.take(view.leaves(st.count)),
+        amsgrad,
+        b1,
+        b2,
+        lr_value(lr, state[_LR]),
+        weight_decay,
+        eps,
+        maximize,
+        "auto",
+    )
+    return state
+
+
+def _build(
+    lr: LearningRate,
+    betas: tuple[float | Tensor, float | Tensor],
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    maximize: bool,
+    decoupled: bool,
+) -> GradientTransformation:
+    check_lr(lr)
+    check_nonneg(eps, "epsilon value")
+    check_betas(betas)
+    check_nonneg(weight_decay, "weight_decay value")
+    if not (
+        (isinstance(betas[0], float) and isinstance(betas[1], float))
+        or (isinstance(betas[0], Tensor) and isinstance(betas[1], Tensor))
+    ):
+        raise ValueError("betas must be either both floats or both Tensors")
+    for i, b in enumerate(betas):
+        if isinstance(b, Tensor) and b.numel() != 1:
+            raise ValueError(f"Tensor betas[{i}] must be 1-element")
+    b1, b2 = as_float(betas[0]), as_float(betas[1])
+    tx = chain(
+        maximize_tx(maximize),
+        add_decayed_weights(0.0 if decoupled else weight_decay),
+        scale_by_adam(b1, b2, eps, amsgrad),
+        add_decayed_weights(weight_decay if decoupled else 0.0),
+        scale_by_learning_rate(lr),
+    )
+    step = partial(
+        _adam_step,
+        lr=lr,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        weight_decay=weight_decay,
+        amsgrad=amsgrad,
+        maximize=maximize,
+        decoupled=decoupled,
+    )
+    return tx._replace(step=step)
+
+
+def _build_adam(**kwargs: Any) -> GradientTransformation:
+    return _build(decoupled=False, **kwargs)
+
+
+def _build_adamw(**kwargs: Any) -> GradientTransformation:
+    return _build(decoupled=True, **kwargs)
+
+
+def adam(
+    lr: LearningRate = 1e-3,
+    betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0,
+    amsgrad: bool = False,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """Adam (``torch.optim.Adam``): ``chain(maximize, add_decayed_weights, scale_by_adam,
+    add_decayed_weights(0), scale_by_learning_rate)`` with a fused ``step``.
+
+    Args:
+        lr: learning rate: a float, a 0-d tensor (differentiable in the pure path) or a schedule.
+        betas: moment decay rates (both floats or both 1-element tensors).
+        eps: added to the denominator.
+        weight_decay: L2 penalty added to the gradient.
+        amsgrad: use the running maximum of the second moment.
+        maximize: maximize the objective.
+
+    Returns:
+        An injected ``GradientTransformation`` (hyperparameters in
+        ``state.hyperparams``); ``step`` runs ``functional_optim.kernels.adam(impl="auto")``.
+
+    Raises:
+        ValueError: with torch's messages, e.g. ``Invalid learning rate: -1``.
+
+    Example::
+
+        >>> tx = fo.adam(lr=1e-3)
+        >>> state = tx.init(params)
+        >>> updates, state = tx.update(grads, state, params)   # pure
+        >>> params = fo.apply_updates(params, updates)
+        >>> state = tx.step(params, grads, state)              # fused, in place
+    """
+    return inject_hyperparams(_build_adam)(
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        amsgrad=amsgrad,
+        maximize=maximize,
+    )
+
+
+def adamw(
+    lr: LearningRate = 1e-3,
+    betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    amsgrad: bool = False,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """AdamW (``torch.optim.AdamW``): Adam with decoupled weight decay, applied after
+    ``scale_by_adam`` and scaled by the learning rate; fused ``step`` via ``kernels.adamw``.
+
+    Args: as :func:`adam` (``weight_decay`` defaults to ``1e-2``).
+
+    Returns:
+        An injected ``GradientTransformation``.
+
+    Raises:
+        ValueError: with torch's messages.
+    """
+    return inject_hyperparams(_build_adamw)(
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        amsgrad=amsgrad,
+        maximize=maximize,
+    )

@@ -1,0 +1,294 @@
+"""``adagrad``, ``adadelta`` and ``adamax`` as transform chains with fused steps."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from torch import Tensor
+
+from functional_optim import kernels
+from functional_optim._aliases._common import (
+    FlatView,
+    LearningRate,
+    as_float,
+    check_betas,
+    check_lr,
+    check_nonneg,
+    lr_value,
+    maximize_tx,
+)
+from functional_optim._base import GradientTransformation, OptState, chain
+from functional_optim._transforms.adam import scale_by_adamax
+from functional_optim._transforms.hyperparams import inject_hyperparams
+from functional_optim._transforms.rms import scale_by_adadelta, scale_by_adagrad
+from functional_optim._transforms.scale import scale_by_learning_rate
+from functional_optim._transforms.weight_decay import add_decayed_weights
+from functional_optim._tree import PyTree
+
+__all__ = ["adadelta", "adagrad", "adamax"]
+
+# Every chain here is (maximize, add_decayed_weights, scale_by_X, scale_by_learning_rate).
+_SCALE = 2
+_LR = 3
+
+
+def _adagrad_step(
+    params: PyTree,
+    grads: PyTree,
+    state: OptState,
+    *,
+    lr: LearningRate,
+    weight_decay: float,
+    lr_decay: float,
+    eps: float,
+    maximize: bool,
+) -> OptState:
+    view = FlatView(params, grads)
+    st = state[_SCALE]
+    kernels.adagrad(
+        view.take(view.params),
+        view.take(view.grads),
+        view.take(view.leaves(st.sum_of_squares)),
+        view.take(view.leaves(st.count)),
+        lr_value(lr, state[_LR]),
+        weight_decay,
+        lr_decay,
+        eps,
+        maximize,
+        "auto",
+    )
+    return state
+
+
+def _build_adagrad(
+    lr: LearningRate,
+    lr_decay: float,
+    weight_decay: float,
+    initial_accumulator_value: float,
+    eps: float,
+    maximize: bool,
+) -> GradientTransformation:
+    check_lr(lr)
+    check_nonneg(lr_decay, "lr_decay value")
+    check_nonneg(weight_decay, "weight_decay value")
+    check_nonneg(initial_accumulator_value, "initial_accumulator_value value")
+    check_nonneg(eps, "epsilon value")
+    tx = chain(
+        maximize_tx(maximize),
+        add_decayed_weights(weight_decay),
+        scale_by_adagrad(lr_decay, eps, initial_accumulator_value),
+        scale_by_learning_rate(lr),
+    )
+    step = partial(
+        _adagrad_step,
+        lr=lr,
+        weight_decay=weight_decay,
+        lr_decay=lr_decay,
+        eps=eps,
+        maximize=maximize,
+    )
+    return tx._replace(step=step)
+
+
+def adagrad(
+    lr: LearningRate = 1e-2,
+    lr_decay: float = 0,
+    weight_decay: float = 0,
+    initial_accumulator_value: float = 0,
+    eps: float = 1e-10,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """Adagrad (``torch.optim.Adagrad``, dense gradients): ``chain(maximize,
+    add_decayed_weights, scale_by_adagrad, scale_by_learning_rate)``, fused ``step``.
+
+    Args:
+        lr: learning rate: a float, a 0-d tensor or a schedule.
+        lr_decay: learning-rate decay.
+        weight_decay: L2 penalty added to the gradient.
+        initial_accumulator_value: starting value of the sums of squares.
+        eps: added to the denominator.
+        maximize: maximize the objective.
+
+    Returns:
+        An injected ``GradientTransformation``.
+
+    Raises:
+        ValueError: with torch's messages.
+    """
+    return inject_hyperparams(_build_adagrad)(
+        lr=lr,
+        lr_decay=lr_decay,
+        weight_decay=weight_decay,
+        initial_accumulator_value=initial_accumulator_value,
+        eps=eps,
+        maximize=maximize,
+    )
+
+
+def _adadelta_step(
+    params: PyTree,
+    grads: PyTree,
+    state: OptState,
+    *,
+    lr: LearningRate,
+    rho: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool,
+) -> OptState:
+    view = FlatView(params, grads)
+    st = state[_SCALE]
+    kernels.adadelta(
+        view.take(view.params),
+        view.take(view.grads),
+        view.take(view.leaves(st.nu)),
+        view.take(view.leaves(st.acc_delta)),
+        view.take(view.leaves(st.count)),
+        lr_value(lr, state[_LR]),
+        rho,
+        eps,
+        weight_decay,
+        maximize,
+        "auto",
+    )
+    return state
+
+
+def _build_adadelta(
+    lr: LearningRate, rho: float, eps: float, weight_decay: float, maximize: bool
+) -> GradientTransformation:
+    check_lr(lr)
+    if not 0.0 <= rho <= 1.0:
+        raise ValueError(f"Invalid rho value: {rho}")
+    check_nonneg(eps, "epsilon value")
+    check_nonneg(weight_decay, "weight_decay value")
+    tx = chain(
+        maximize_tx(maximize),
+        add_decayed_weights(weight_decay),
+        scale_by_adadelta(rho, eps),
+        scale_by_learning_rate(lr),
+    )
+    step = partial(
+        _adadelta_step, lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize
+    )
+    return tx._replace(step=step)
+
+
+def adadelta(
+    lr: LearningRate = 1.0,
+    rho: float = 0.9,
+    eps: float = 1e-6,
+    weight_decay: float = 0,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """Adadelta (``torch.optim.Adadelta``): ``chain(maximize, add_decayed_weights,
+    scale_by_adadelta, scale_by_learning_rate)``, fused ``step``.
+
+    Args:
+        lr: coefficient scaling the delta: a float, a 0-d tensor or a schedule.
+        rho: decay of the running averages.
+        eps: added inside the square roots.
+        weight_decay: L2 penalty added to the gradient.
+        maximize: maximize the objective.
+
+    Returns:
+        An injected ``GradientTransformation``.
+
+    Raises:
+        ValueError: with torch's messages.
+    """
+    return inject_hyperparams(_build_adadelta)(
+        lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize
+    )
+
+
+def _adamax_step(
+    params: PyTree,
+    grads: PyTree,
+    state: OptState,
+    *,
+    lr: LearningRate,
+    b1: float,
+    b2: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool,
+) -> OptState:
+    view = FlatView(params, grads)
+    st = state[_SCALE]
+    kernels.adamax(
+        view.take(view.params),
+        view.take(view.grads),
+        view.take(view.leaves(st.mu)),
+        view.take(view.leaves(st.nu)),
+        view.take(view.leaves(st.count)),
+        eps,
+        b1,
+        b2,
+        lr_value(lr, state[_LR]),
+        weight_decay,
+        maximize,
+        "auto",
+    )
+    return state
+
+
+def _build_adamax(
+    lr: LearningRate,
+    betas: tuple[float | Tensor, float | Tensor],
+    eps: float,
+    weight_decay: float,
+    maximize: bool,
+) -> GradientTransformation:
+    check_lr(lr)
+    check_nonneg(eps, "epsilon value")
+    check_betas(betas)
+    check_nonneg(weight_decay, "weight_decay value")
+    b1, b2 = as_float(betas[0]), as_float(betas[1])
+    tx = chain(
+        maximize_tx(maximize),
+        add_decayed_weights(weight_decay),
+        scale_by_adamax(b1, b2, eps),
+        scale_by_learning_rate(lr),
+    )
+    step = partial(
+        _adamax_step,
+        lr=lr,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        weight_decay=weight_decay,
+        maximize=maximize,
+    )
+    return tx._replace(step=step)
+
+
+def adamax(
+    lr: LearningRate = 2e-3,
+    betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """Adamax (``torch.optim.Adamax``): ``chain(maximize, add_decayed_weights,
+    scale_by_adamax, scale_by_learning_rate)``, fused ``step``.
+
+    Args:
+        lr: learning rate: a float, a 0-d tensor or a schedule.
+        betas: decay rates of the first moment and of the infinity norm.
+        eps: added to ``|g|``.
+        weight_decay: L2 penalty added to the gradient.
+        maximize: maximize the objective.
+
+    Returns:
+        An injected ``GradientTransformation``.
+
+    Raises:
+        ValueError: with torch's messages.
+    """
+    return inject_hyperparams(_build_adamax)(
+        lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize
+    )

@@ -1,0 +1,130 @@
+"""``sgd``: torch.optim.SGD as a transform chain with a fused step."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from torch import Tensor
+
+from functional_optim import kernels
+from functional_optim._aliases._common import (
+    FlatView,
+    LearningRate,
+    check_lr,
+    check_nonneg,
+    lr_value,
+    maximize_tx,
+)
+from functional_optim._base import GradientTransformation, OptState, chain
+from functional_optim._transforms.hyperparams import inject_hyperparams
+from functional_optim._transforms.momentum import TraceState, trace
+from functional_optim._transforms.scale import scale_by_learning_rate
+from functional_optim._transforms.weight_decay import add_decayed_weights
+from functional_optim._tree import PyTree
+
+__all__ = ["sgd"]
+
+_TRACE = 2
+_LR = 3
+
+
+def _sgd_step(
+    params: PyTree,
+    grads: PyTree,
+    state: OptState,
+    *,
+    lr: LearningRate,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+) -> OptState:
+    view = FlatView(params, grads)
+    bufs = view.leaves(state[_TRACE].momentum_buffer)
+    taken = view.take(bufs)
+    kernels.sgd(
+        view.take(view.params),
+        view.take(view.grads),
+        taken,
+        lr_value(lr, state[_LR]),
+        momentum,
+        dampening,
+        weight_decay,
+        nesterov,
+        maximize,
+        "auto",
+    )
+    if momentum == 0:
+        return state
+    for i, buf in zip(view.idx, taken, strict=True):
+        bufs[i] = buf  # the kernel stores a new buffer on a param's first step
+    trace_state = TraceState(view.unflatten(bufs))
+    return (*state[:_TRACE], trace_state, *state[_TRACE + 1 :])
+
+
+def _build(
+    lr: LearningRate,
+    momentum: float,
+    dampening: float,
+    weight_decay: float | Tensor,
+    nesterov: bool,
+    maximize: bool,
+) -> GradientTransformation:
+    check_lr(lr)
+    check_nonneg(momentum, "momentum value")
+    check_nonneg(weight_decay, "weight_decay value")  # type: ignore[arg-type]
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+    tx = chain(
+        maximize_tx(maximize),
+        add_decayed_weights(weight_decay),
+        trace(momentum, dampening, nesterov),
+        scale_by_learning_rate(lr),
+    )
+    step = partial(
+        _sgd_step,
+        lr=lr,
+        momentum=momentum,
+        dampening=dampening,
+        weight_decay=float(weight_decay),
+        nesterov=nesterov,
+        maximize=maximize,
+    )
+    return tx._replace(step=step)
+
+
+def sgd(
+    lr: LearningRate = 1e-3,
+    momentum: float = 0,
+    dampening: float = 0,
+    weight_decay: float | Tensor = 0,
+    nesterov: bool = False,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """SGD (``torch.optim.SGD``): ``chain(maximize, add_decayed_weights, trace,
+    scale_by_learning_rate)`` with a fused ``step`` (``functional_optim.kernels.sgd``).
+
+    Args:
+        lr: learning rate: a float, a 0-d tensor (differentiable in the pure path) or a schedule.
+        momentum: momentum factor.
+        dampening: dampening for momentum.
+        weight_decay: L2 penalty added to the gradient.
+        nesterov: Nesterov momentum.
+        maximize: maximize the objective.
+
+    Returns:
+        An injected ``GradientTransformation``.
+
+    Raises:
+        ValueError: with torch's messages, e.g. ``Invalid momentum value: -1``.
+    """
+    return inject_hyperparams(_build)(
+        lr=lr,
+        momentum=momentum,
+        dampening=dampening,
+        weight_decay=weight_decay,
+        nesterov=nesterov,
+        maximize=maximize,
+    )

@@ -1,0 +1,172 @@
+"""The small contract: ``GradientTransformation``, ``chain``, ``identity``, ``apply_updates``.
+
+A transform is a pair of pure functions, plus an optional in-place fast path:
+
+* ``init(params) -> state``
+* ``update(updates, state, params=None, *, inplace=False) -> (updates, state)``. Pure by default:
+  no input is mutated and every step is differentiable with ``torch.func``. With ``inplace=True``
+  the state buffers are updated in place (the returned state holds the same tensors) and the
+  incoming ``updates`` tensors may be overwritten (they are consumed).
+* ``step(params, grads, state) -> state`` (optional, ``None`` for generic chains): update the
+  params and the state buffers in place in one pass, through the fused
+  ``functional_optim.kernels`` where torch has them. The eight aliases provide it.
+  ``functional_optim.Optimizer`` uses ``step`` when present and otherwise falls back to
+  ``update(inplace=True)`` followed by ``apply_updates(inplace=True)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol, TypeAlias
+
+from torch import Tensor
+
+from functional_optim._tree import PyTree, leaves_like, tree_flatten, tree_unflatten
+
+__all__ = [
+    "EmptyState",
+    "GradientTransformation",
+    "InitFn",
+    "OptState",
+    "StepFn",
+    "UpdateFn",
+    "apply_updates",
+    "chain",
+    "identity",
+]
+
+#: A transform state: a (nested tuple of) typed NamedTuple(s) whose leaves are tensors.
+OptState: TypeAlias = Any
+
+
+class InitFn(Protocol):
+    """``init(params) -> state``."""
+
+    def __call__(self, params: PyTree) -> OptState: ...
+
+
+class UpdateFn(Protocol):
+    """``update(updates, state, params=None, *, inplace=False) -> (updates, state)``."""
+
+    def __call__(
+        self, updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
+    ) -> tuple[PyTree, OptState]: ...
+
+
+class StepFn(Protocol):
+    """``step(params, grads, state) -> state``: update ``params`` and ``state`` in place."""
+
+    def __call__(self, params: PyTree, grads: PyTree, state: OptState) -> OptState: ...
+
+
+class GradientTransformation(NamedTuple):
+    """An optimizer building block: ``init``, ``update`` and an optional fused in-place ``step``.
+
+    Example::
+
+        >>> import torch, functional_optim as fo
+        >>> params = {"w": torch.ones(3)}
+        >>> tx = fo.chain(fo.clip_by_global_norm(1.0), fo.scale_by_adam(), fo.scale(-1e-3))
+        >>> state = tx.init(params)
+        >>> updates, state = tx.update({"w": torch.full((3,), 2.0)}, state, params)
+        >>> params = fo.apply_updates(params, updates)
+    """
+
+    init: InitFn
+    update: UpdateFn
+    step: StepFn | None = None
+
+
+class EmptyState(NamedTuple):
+    """State of a stateless transform."""
+
+
+def _init_empty(params: PyTree) -> EmptyState:
+    del params
+    return EmptyState()
+
+
+def identity() -> GradientTransformation:
+    """Return a transform that leaves updates unchanged.
+
+    Returns:
+        A stateless ``GradientTransformation``.
+    """
+
+    def update(
+        updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
+    ) -> tuple[PyTree, OptState]:
+        del params, inplace
+        return updates, state
+
+    return GradientTransformation(_init_empty, update)
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Compose transforms: the updates of one are the input of the next.
+
+    The state is the tuple of the components' states. A chain has no fused ``step``; attach one
+    with ``chain(...)._replace(step=...)`` when a kernel computes the whole chain at once.
+
+    Args:
+        *transforms: the transforms, applied left to right.
+
+    Returns:
+        A ``GradientTransformation``.
+
+    Raises:
+        TypeError: if an argument is not a ``GradientTransformation``.
+    """
+    for i, tx in enumerate(transforms):
+        if not isinstance(tx, GradientTransformation):
+            raise TypeError(
+                f"chain() argument {i} is a {type(tx).__name__}, not a GradientTransformation; "
+                "call the factory (e.g. fo.scale_by_adam()) rather than passing it"
+            )
+
+    def init(params: PyTree) -> tuple[OptState, ...]:
+        return tuple(tx.init(params) for tx in transforms)
+
+    def update(
+        updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
+    ) -> tuple[PyTree, OptState]:
+        if len(state) != len(transforms):
+            raise ValueError(
+                f"chain of {len(transforms)} transforms got a state of length {len(state)}; "
+                "pass the state returned by this chain's init/update"
+            )
+        new_state = []
+        for tx, s in zip(transforms, state, strict=True):
+            updates, s = tx.update(updates, s, params, inplace=inplace)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    return GradientTransformation(init, update)
+
+
+def apply_updates(params: PyTree, updates: PyTree, *, inplace: bool = False) -> PyTree:
+    """Return ``params + updates`` leafwise; a ``None`` update leaves its param unchanged.
+
+    Args:
+        params: the params pytree.
+        updates: a pytree of the same structure (``None`` leaves allowed).
+        inplace: add into the params' storage (``param.add_(update)``) instead of building new
+            tensors. Pure (differentiable) when False.
+
+    Returns:
+        The new params (the same tensor objects when ``inplace``).
+
+    Raises:
+        ValueError: if the structures differ.
+    """
+    leaves, spec = tree_flatten(params)
+    ups: Sequence[Tensor | None] = leaves_like(spec, updates, "updates")
+    if inplace:
+        for p, u in zip(leaves, ups, strict=True):
+            if p is not None and u is not None:
+                p.add_(u)
+        return params
+    out = [
+        p if p is None or u is None else p + u.to(p.dtype) for p, u in zip(leaves, ups, strict=True)
+    ]
+    return tree_unflatten(spec, out)

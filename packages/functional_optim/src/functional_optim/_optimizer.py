@@ -1,0 +1,152 @@
+"""``Optimizer``: run any ``GradientTransformation`` as a ``torch.optim.Optimizer``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from functional_optim._base import GradientTransformation, OptState, apply_updates
+from functional_optim._torch_state import from_torch_state, to_torch_state
+from functional_optim._transforms.hyperparams import InjectHyperparamsState
+
+__all__ = ["Optimizer"]
+
+_GROUP_STATE_KEY = "fo_state"
+
+
+def _hyperparams(state: OptState) -> dict[str, Any]:
+    return dict(state.hyperparams) if isinstance(state, InjectHyperparamsState) else {}
+
+
+class Optimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` that applies a ``GradientTransformation`` to ``p.grad``.
+
+    Each param group gets its own transform state (``tx.init(group["params"])``). A step uses
+    the transform's fused ``step`` when it has one (the eight aliases do) and otherwise runs
+    ``update(..., inplace=True)`` on clones of the gradients (``p.grad`` is left as it was)
+    followed by ``apply_updates(..., inplace=True)``.
+
+    Hyperparameters: when ``tx`` is injected (every alias is, or wrap your own factory with
+    ``fo.inject_hyperparams``), its hyperparameters (``lr``, ``betas``, ...) are the optimizer's
+    defaults and appear in every param group; before each step the group's values are copied
+    into the transform's state, so ``torch.optim.lr_scheduler`` schedulers and per-group
+    overrides (``{"params": ..., "lr": 0.1}``) reach the transform.
+
+    State: ``state_dict()`` writes the transform state in torch's format (per-param dicts keyed
+    by param index, torch's key names for the built-in transforms; group-level entries under
+    ``param_groups[i]["fo_state"]``) and ``load_state_dict`` converts it back, so a round trip
+    resumes bit-identically. ``self.state`` is refreshed from the transform state by
+    ``state_dict()``.
+
+    Args:
+        params: an iterable of tensors or of param-group dicts, as for torch optimizers.
+        tx: the transform.
+
+    Raises:
+        TypeError: if ``tx`` is not a ``GradientTransformation``.
+
+    Example::
+
+        >>> opt = fo.Optimizer(model.parameters(), fo.adam(lr=1e-3))
+        >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10)
+        >>> loss.backward(); opt.step(); sched.step(); opt.zero_grad()
+    """
+
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], tx: Any) -> None:
+        if not isinstance(tx, GradientTransformation):
+            raise TypeError(
+                f"tx must be a GradientTransformation (e.g. fo.adam(lr=1e-3)), got "
+                f"{type(tx).__name__}"
+            )
+        self._tx = tx
+        self._tx_states: list[OptState] = []
+        super().__init__(params, _hyperparams(tx.init([])))
+
+    @property
+    def transform(self) -> GradientTransformation:
+        """The transform this optimizer runs."""
+        return self._tx
+
+    @property
+    def transform_states(self) -> list[OptState]:
+        """The transform state of each param group (live; do not mutate)."""
+        return list(self._tx_states)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group and initialise its transform state (see torch's docs)."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        self._tx_states.append(self._tx.init(list(group["params"])))
+
+    def _sync_hyperparams(self, state: OptState, group: dict[str, Any]) -> OptState:
+        if not isinstance(state, InjectHyperparamsState):
+            return state
+        current = state.hyperparams
+        if all(group.get(k, v) is v for k, v in current.items()):
+            return state
+        return state._replace(hyperparams={k: group.get(k, v) for k, v in current.items()})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Perform one optimization step.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        fused = self._tx.step
+        for i, group in enumerate(self.param_groups):
+            params: list[Tensor] = group["params"]
+            state = self._sync_hyperparams(self._tx_states[i], group)
+            if fused is not None:
+                state = fused(params, [p.grad for p in params], state)
+            else:
+                grads = [None if p.grad is None else p.grad.clone() for p in params]
+                updates, state = self._tx.update(grads, state, params, inplace=True)
+                apply_updates(params, updates, inplace=True)
+            self._tx_states[i] = state
+        return loss
+
+    def _export_state(self) -> None:
+        for group, state in zip(self.param_groups, self._tx_states, strict=True):
+            params = group["params"]
+            per_param, group_state = to_torch_state(state, list(params))
+            for p, entry in zip(params, per_param, strict=True):
+                if entry:
+                    self.state[p] = entry
+                else:
+                    self.state.pop(p, None)
+            if group_state:
+                group[_GROUP_STATE_KEY] = group_state
+            else:
+                group.pop(_GROUP_STATE_KEY, None)
+
+    def _import_state(self) -> None:
+        states = []
+        for group in self.param_groups:
+            params = list(group["params"])
+            per_param = [dict(self.state[p]) if p in self.state else {} for p in params]
+            template = self._tx.init(params)
+            states.append(
+                from_torch_state(template, params, per_param, group.get(_GROUP_STATE_KEY))
+            )
+        self._tx_states = states
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the state in torch's format (see the class docstring)."""
+        self._export_state()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state from :meth:`state_dict` (or a compatible torch optimizer's)."""
+        super().load_state_dict(state_dict)
+        self._import_state()

@@ -1,0 +1,1 @@
+"""Optax-style transform factories, one module per family (re-exported by the package)."""

@@ -1,0 +1,95 @@
+"""Leaf maths written once for both modes: ``inplace=True`` writes into the first operand.
+
+Each transform spells its per-leaf maths with these helpers, so the pure path (new tensors,
+differentiable) and the in-place path (state buffers reused) share one definition and run the
+same ops in the same order, hence give the same numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from functional_optim._tree import PyTree, TreeSpec, leaves_like, tree_flatten
+
+Scalar = float | Tensor
+
+
+def mul(x: Tensor, y: Scalar | Tensor, inplace: bool) -> Tensor:
+    """``x * y``."""
+    return x.mul_(y) if inplace else x.mul(y)
+
+
+def div(x: Tensor, y: Scalar | Tensor, inplace: bool) -> Tensor:
+    """``x / y``."""
+    return x.div_(y) if inplace else x.div(y)
+
+
+def add(x: Tensor, y: Scalar | Tensor, inplace: bool, alpha: float = 1.0) -> Tensor:
+    """``x + alpha * y``."""
+    if alpha == 1.0:
+        return x.add_(y) if inplace else x.add(y)
+    return x.add_(y, alpha=alpha) if inplace else x.add(y, alpha=alpha)
+
+
+def addcmul(x: Tensor, a: Tensor, b: Tensor, value: float, inplace: bool) -> Tensor:
+    """``x + value * a * b``."""
+    return x.addcmul_(a, b, value=value) if inplace else x.addcmul(a, b, value=value)
+
+
+def lerp(x: Tensor, end: Tensor, weight: float, inplace: bool) -> Tensor:
+    """``x + weight * (end - x)``."""
+    return x.lerp_(end, weight) if inplace else x.lerp(end, weight)
+
+
+def maximum(x: Tensor, y: Tensor, inplace: bool) -> Tensor:
+    """Elementwise ``max(x, y)``."""
+    return torch.maximum(x, y, out=x) if inplace else torch.maximum(x, y)
+
+
+def increment(count: Tensor, inplace: bool) -> Tensor:
+    """``count + 1`` (a 0-d step counter)."""
+    return count.add_(1) if inplace else count + 1
+
+
+def scalar_dtype() -> torch.dtype:
+    """dtype of torch's ``state['step']``: float64 under a float64 default dtype, else float32."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def zero_counts(params: PyTree) -> PyTree:
+    """One 0-d step counter per param (``None`` for a ``None`` param), on the param's device
+    (the fused kernels need it there; on CPU this is where torch keeps it too)."""
+    leaves, spec = tree_flatten(params)
+    dtype = scalar_dtype()
+    counts = [None if p is None else torch.zeros((), dtype=dtype, device=p.device) for p in leaves]
+    return spec.unflatten(counts)
+
+
+def bias_correction(beta: float, count: Tensor) -> Tensor:
+    """``1 - beta ** count`` in float64, as torch computes it from the Python step number."""
+    return 1 - beta ** count.to(torch.float64)
+
+
+def flat(updates: PyTree, *trees: PyTree) -> tuple[list[Any], TreeSpec, list[list[Any]]]:
+    """Flatten ``updates`` once and each of ``trees`` against its structure.
+
+    Returns:
+        ``(update_leaves, spec, [leaves of each tree])``.
+    """
+    leaves, spec = tree_flatten(updates)
+    return leaves, spec, [leaves_like(spec, t, "state/params") for t in trees]
+
+
+def require_params(params: PyTree, name: str) -> None:
+    """Raise a clear error when a transform that reads params was given none."""
+    if params is None:
+        raise ValueError(f"{name} needs the params: call update(updates, state, params)")
+
+
+def none_or(xs: Sequence[Tensor | None]) -> bool:
+    """Whether every entry is None."""
+    return all(x is None for x in xs)

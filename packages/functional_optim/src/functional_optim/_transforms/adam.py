@@ -1,0 +1,135 @@
+"""Adam-family scalings: ``scale_by_adam`` (with AMSGrad) and ``scale_by_adamax``."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from torch import Tensor
+
+from functional_optim._base import GradientTransformation, OptState
+from functional_optim._transforms import _ops
+from functional_optim._tree import PyTree, tree_zeros_like
+
+__all__ = ["ScaleByAdamState", "ScaleByAdamaxState", "scale_by_adam", "scale_by_adamax"]
+
+
+class ScaleByAdamState(NamedTuple):
+    """State of :func:`scale_by_adam`; torch's ``step``, ``exp_avg``, ``exp_avg_sq``,
+    ``max_exp_avg_sq``. ``nu_max`` is ``None`` without AMSGrad."""
+
+    count: PyTree
+    mu: PyTree
+    nu: PyTree
+    nu_max: PyTree
+
+
+class ScaleByAdamaxState(NamedTuple):
+    """State of :func:`scale_by_adamax`; torch's ``step``, ``exp_avg``, ``exp_inf``."""
+
+    count: PyTree
+    mu: PyTree
+    nu: PyTree
+
+
+def scale_by_adam(
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, amsgrad: bool = False
+) -> GradientTransformation:
+    """Rescale updates by Adam's bias-corrected moments: ``m_hat / (sqrt(v_hat) + eps)``.
+
+    Op order follows ``torch.optim.Adam(foreach=False)``: ``m.lerp_(g, 1 - b1)``,
+    ``v.mul_(b2).addcmul_(g, g, value=1 - b2)``, ``denom = sqrt(v) / sqrt(1 - b2**t) + eps``,
+    output ``m / (1 - b1**t) / denom`` (bias corrections in float64). Step counts are per param
+    0-d tensors, so a param whose update is ``None`` keeps its count, as in torch.
+
+    Args:
+        b1: decay of the first moment.
+        b2: decay of the second moment.
+        eps: added to the denominator.
+        amsgrad: normalise by the running maximum of the second moment.
+
+    Returns:
+        A ``GradientTransformation`` with state :class:`ScaleByAdamState`.
+    """
+
+    def init(params: PyTree) -> ScaleByAdamState:
+        nu_max = tree_zeros_like(params) if amsgrad else None
+        return ScaleByAdamState(
+            _ops.zero_counts(params), tree_zeros_like(params), tree_zeros_like(params), nu_max
+        )
+
+    def update(
+        updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
+    ) -> tuple[PyTree, OptState]:
+        del params
+        trees = [state.count, state.mu, state.nu]
+        if amsgrad:
+            trees.append(state.nu_max)
+        leaves, spec, lists = _ops.flat(updates, *trees)
+        counts, mus, nus = lists[0], lists[1], lists[2]
+        maxes = lists[3] if amsgrad else [None] * len(leaves)
+        out: list[Tensor | None] = []
+        for i, g in enumerate(leaves):
+            if g is None:
+                out.append(None)
+                continue
+            counts[i] = count = _ops.increment(counts[i], inplace)
+            mus[i] = mu = _ops.lerp(mus[i], g, 1 - b1, inplace)
+            nus[i] = nu = _ops.addcmul(_ops.mul(nus[i], b2, inplace), g, g, 1 - b2, inplace)
+            bc1 = _ops.bias_correction(b1, count)
+            bc2_sqrt = _ops.bias_correction(b2, count) ** 0.5
+            if amsgrad:
+                maxes[i] = nu = _ops.maximum(maxes[i], nu, inplace)  # type: ignore[arg-type]
+            denom = (nu.sqrt() / bc2_sqrt).add(eps)
+            out.append(mu.div(bc1).div(denom))
+        new_state = ScaleByAdamState(
+            spec.unflatten(counts),
+            spec.unflatten(mus),
+            spec.unflatten(nus),
+            spec.unflatten(maxes) if amsgrad else None,
+        )
+        return spec.unflatten(out), new_state
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_adamax(
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
+) -> GradientTransformation:
+    """Rescale updates by Adamax: ``m / (1 - b1**t) / u`` with ``u = max(b2 * u, |g| + eps)``.
+
+    Op order follows ``torch.optim.Adamax(foreach=False)``.
+
+    Args:
+        b1: decay of the first moment.
+        b2: decay of the infinity norm.
+        eps: added to ``|g|``.
+
+    Returns:
+        A ``GradientTransformation`` with state :class:`ScaleByAdamaxState`.
+    """
+
+    def init(params: PyTree) -> ScaleByAdamaxState:
+        return ScaleByAdamaxState(
+            _ops.zero_counts(params), tree_zeros_like(params), tree_zeros_like(params)
+        )
+
+    def update(
+        updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
+    ) -> tuple[PyTree, OptState]:
+        del params
+        leaves, spec, (counts, mus, nus) = _ops.flat(updates, state.count, state.mu, state.nu)
+        out: list[Tensor | None] = []
+        for i, g in enumerate(leaves):
+            if g is None:
+                out.append(None)
+                continue
+            counts[i] = count = _ops.increment(counts[i], inplace)
+            mus[i] = mu = _ops.lerp(mus[i], g, 1 - b1, inplace)
+            nus[i] = nu = _ops.maximum(_ops.mul(nus[i], b2, inplace), g.abs().add(eps), inplace)
+            out.append(mu.div(_ops.bias_correction(b1, count)).div(nu))
+        new_state = ScaleByAdamaxState(
+            spec.unflatten(counts), spec.unflatten(mus), spec.unflatten(nus)
+        )
+        return spec.unflatten(out), new_state
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,184 @@
+"""Second-moment scalings: ``scale_by_rms``, ``scale_by_adagrad``, ``scale_by_adadelta``."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from functional_optim._base import GradientTransformation, OptState
+from functional_optim._transforms import _ops
+from functional_optim._tree import PyTree, tree_full_like, tree_zeros_like
+
+__all__ = [
+    "ScaleByAdadeltaState",
+    "ScaleByAdagradState",
+    "ScaleByRmsState",
+    "scale_by_adadelta",
+    "scale_by_adagrad",
+    "scale_by_rms",
+]
+
+
+class ScaleByRmsState(NamedTuple):
+    """State of :func:`scale_by_rms`; torch's ``step``, ``square_avg``, ``grad_avg``
+    (``mu`` is ``None`` unless centered)."""
+
+    count: PyTree
+    nu: PyTree
+    mu: PyTree
+
+
+class ScaleByAdagradState(NamedTuple):
+    """State of :func:`scale_by_adagrad`; torch's ``step`` and ``sum``."""
+
+    count: PyTree
+    sum_of_squares: PyTree
+
+
+class ScaleByAdadeltaState(NamedTuple):
+    """State of :func:`scale_by_adadelta`; torch's ``step``, ``square_avg``, ``acc_delta``."""
+
+    count: PyTree
+    nu: PyTree
+    acc_delta: PyTree
+
+
+def scale_by_rms(
+    alpha: float = 0.99, eps: float = 1e-8, centered: bool = False
+) -> GradientTransformation:
+    """Divide updates by the root of their running mean square (RMSprop's ``g / avg``).
+
+    ``v = alpha * v + (1 - alpha) * g**2``; centered: ``m = lerp(m, g, 1 - alpha)`` and
+    ``avg = sqrt(v - m**2) + eps``, else ``avg = sqrt(v) + eps``. Op order of
+    ``torch.optim.RMSprop(foreach=False)``; chain with :func:`trace` for its momentum.
+
+    Args:
+        alpha: smoothing constant.
+        eps: added to the denominator.
+        centered: normalise by the estimated variance.
+
+    Returns:
+        A ``GradientTransformation`` with state :class:`ScaleByRmsState`.
+    """
+
+    def init(params: PyTree) -> ScaleByRmsState:
+        mu = tree_zeros_like(params) if centered else None
+        return ScaleByRmsState(_ops.zero_counts(params), tree_zeros_like(params), mu)
+
+    def update(
+        updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
+    ) -> tuple[PyTree, OptState]:
+        del params
+        trees = [state.count, state.nu] + ([state.mu] if centered else [])
+        leaves, spec, lists = _ops.flat(updates, *trees)
+        counts, nus = lists[0], lists[1]
+        mus = lists[2] if centered else [None] * len(leaves)
+        out: list[Tensor | None] = []
+        for i, g in enumerate(leaves):
+            if g is None:
+                out.append(None)
+                continue
+            counts[i] = _ops.increment(counts[i], inplace)
+            nus[i] = nu = _ops.addcmul(_ops.mul(nus[i], alpha, inplace), g, g, 1 - alpha, inplace)
+            if centered:
+                mus[i] = mu = _ops.lerp(mus[i], g, 1 - alpha, inplace)  # type: ignore[arg-type]
+                avg = nu.addcmul(mu, mu, value=-1).sqrt()
+            else:
+                avg = nu.sqrt()
+            out.append(g.div(avg.add(eps)))
+        mu_tree = spec.unflatten(mus) if centered else None
+        new_state = ScaleByRmsState(spec.unflatten(counts), spec.unflatten(nus), mu_tree)
+        return spec.unflatten(out), new_state
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_adagrad(
+    lr_decay: float = 0.0, eps: float = 1e-10, initial_accumulator_value: float = 0.0
+) -> GradientTransformation:
+    """Divide updates by the root of their running sum of squares (Adagrad).
+
+    ``s += g**2``; output ``g / (sqrt(s) + eps) / (1 + (t - 1) * lr_decay)``, the op order of
+    ``torch.optim.Adagrad(foreach=False)`` for dense gradients.
+
+    Args:
+        lr_decay: learning-rate decay per step.
+        eps: added to the denominator.
+        initial_accumulator_value: starting value of the sums.
+
+    Returns:
+        A ``GradientTransformation`` with state :class:`ScaleByAdagradState`.
+    """
+
+    def init(params: PyTree) -> ScaleByAdagradState:
+        sums = tree_full_like(params, initial_accumulator_value)
+        return ScaleByAdagradState(_ops.zero_counts(params), sums)
+
+    def update(
+        updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
+    ) -> tuple[PyTree, OptState]:
+        del params
+        leaves, spec, (counts, sums) = _ops.flat(updates, state.count, state.sum_of_squares)
+        out: list[Tensor | None] = []
+        for i, g in enumerate(leaves):
+            if g is None:
+                out.append(None)
+                continue
+            counts[i] = count = _ops.increment(counts[i], inplace)
+            sums[i] = s = _ops.addcmul(sums[i], g, g, 1.0, inplace)
+            u = g.div(s.sqrt().add(eps))
+            if lr_decay != 0:
+                u = u.div(1 + (count.to(torch.float64) - 1) * lr_decay)
+            out.append(u)
+        new_state = ScaleByAdagradState(spec.unflatten(counts), spec.unflatten(sums))
+        return spec.unflatten(out), new_state
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_adadelta(rho: float = 0.9, eps: float = 1e-6) -> GradientTransformation:
+    """Rescale updates by Adadelta's ratio of running RMS of deltas and of updates.
+
+    Op order of ``torch.optim.Adadelta(foreach=False)``: ``v = rho*v + (1-rho)*g**2``,
+    ``delta = sqrt(a + eps) / sqrt(v + eps) * g``, ``a = rho*a + (1-rho)*delta**2``; output
+    ``delta``.
+
+    Args:
+        rho: decay of the running averages.
+        eps: added inside the square roots.
+
+    Returns:
+        A ``GradientTransformation`` with state :class:`ScaleByAdadeltaState`.
+    """
+
+    def init(params: PyTree) -> ScaleByAdadeltaState:
+        return ScaleByAdadeltaState(
+            _ops.zero_counts(params), tree_zeros_like(params), tree_zeros_like(params)
+        )
+
+    def update(
+        updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
+    ) -> tuple[PyTree, OptState]:
+        del params
+        leaves, spec, (counts, nus, accs) = _ops.flat(
+            updates, state.count, state.nu, state.acc_delta
+        )
+        out: list[Tensor | None] = []
+        for i, g in enumerate(leaves):
+            if g is None:
+                out.append(None)
+                continue
+            counts[i] = _ops.increment(counts[i], inplace)
+            nus[i] = nu = _ops.addcmul(_ops.mul(nus[i], rho, inplace), g, g, 1 - rho, inplace)
+            std = nu.add(eps).sqrt()
+            delta = accs[i].add(eps).sqrt().div(std).mul(g)
+            accs[i] = _ops.addcmul(_ops.mul(accs[i], rho, inplace), delta, delta, 1 - rho, inplace)
+            out.append(delta)
+        new_state = ScaleByAdadeltaState(
+            spec.unflatten(counts), spec.unflatten(nus), spec.unflatten(accs)
+        )
+        return spec.unflatten(out), new_state
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,85 @@
+"""``scale_by_rprop``: resilient backpropagation's sign-based, per-element step sizes."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from functional_optim._base import GradientTransformation, OptState
+from functional_optim._transforms import _ops
+from functional_optim._tree import PyTree, tree_full_like, tree_zeros_like
+
+__all__ = ["ScaleByRpropState", "scale_by_rprop"]
+
+
+class ScaleByRpropState(NamedTuple):
+    """State of :func:`scale_by_rprop`; torch's ``step``, ``prev``, ``step_size``."""
+
+    count: PyTree
+    prev: PyTree
+    step_size: PyTree
+
+
+def scale_by_rprop(
+    init_step_size: float,
+    etas: tuple[float, float] = (0.5, 1.2),
+    step_sizes: tuple[float, float] = (1e-6, 50.0),
+) -> GradientTransformation:
+    """Rprop: output ``sign(g') * step_size`` with per-element adaptive step sizes.
+
+    Where ``g * prev`` is positive the step size grows by ``etas[1]``, where negative it shrinks
+    by ``etas[0]`` and ``g'`` is zeroed (``g' = g`` elsewhere); sizes are clamped to
+    ``step_sizes`` and ``prev = g'``. Follows ``torch.optim.Rprop(foreach=False)``; chain with
+    ``scale(-1.0)`` for a descent step. The step sizes start at ``init_step_size`` (torch's
+    ``lr``) when the state is created.
+
+    Args:
+        init_step_size: initial step size of every element.
+        etas: ``(etaminus, etaplus)`` multiplicative decrease and increase factors.
+        step_sizes: ``(min, max)`` allowed step sizes.
+
+    Returns:
+        A ``GradientTransformation`` with state :class:`ScaleByRpropState`.
+    """
+    etaminus, etaplus = etas
+    size_min, size_max = step_sizes
+
+    def init(params: PyTree) -> ScaleByRpropState:
+        return ScaleByRpropState(
+            _ops.zero_counts(params),
+            tree_zeros_like(params),
+            tree_full_like(params, float(init_step_size)),
+        )
+
+    def update(
+        updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
+    ) -> tuple[PyTree, OptState]:
+        del params
+        leaves, spec, (counts, prevs, sizes) = _ops.flat(
+            updates, state.count, state.prev, state.step_size
+        )
+        out: list[Tensor | None] = []
+        for i, g in enumerate(leaves):
+            if g is None:
+                out.append(None)
+                continue
+            counts[i] = _ops.increment(counts[i], inplace)
+            sign = g.mul(prevs[i]).sign()
+            factor = torch.where(
+                sign > 0, etaplus, torch.where(sign < 0, etaminus, torch.where(sign == 0, 1, sign))
+            )
+            size = _ops.mul(sizes[i], factor, inplace)
+            sizes[i] = size = (
+                size.clamp_(size_min, size_max) if inplace else size.clamp(size_min, size_max)
+            )
+            g = torch.where(factor == etaminus, 0, g)
+            prevs[i] = prevs[i].copy_(g) if inplace else g
+            out.append(g.sign().mul(size))
+        new_state = ScaleByRpropState(
+            spec.unflatten(counts), spec.unflatten(prevs), spec.unflatten(sizes)
+        )
+        return spec.unflatten(out), new_state
+
+    return GradientTransformation(init, update)
