@@ -19,8 +19,10 @@ __all__ = [
     "global_rank",
     "group_rank",
     "group_size",
+    "recv_object",
     "require_initialized",
     "resolve_group",
+    "send_object",
 ]
 
 
@@ -119,3 +121,42 @@ def all_gather_objects(obj: Any, process_group: ProcessGroup | None = None) -> l
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, obj, group=group)
     return gathered
+
+
+def send_object(
+    obj: Any,
+    dst_rank_in_group: int,
+    process_group: ProcessGroup | None = None,
+    device: torch.device | None = None,
+) -> None:
+    """Send a picklable object to one rank of the group (point to point; pair with recv_object).
+
+    Args:
+        obj: the object to send.
+        dst_rank_in_group: the receiver, as a rank of ``process_group``.
+        process_group: the group (None for WORLD).
+        device: staging device for the pickled bytes (CUDA for NCCL groups).
+    """
+    group = resolve_group(process_group)
+    dist.send_object_list([obj], group=group, device=device, group_dst=dst_rank_in_group)
+
+
+def recv_object(
+    src_rank_in_group: int,
+    process_group: ProcessGroup | None = None,
+    device: torch.device | None = None,
+) -> Any:
+    """Receive the object that ``src_rank_in_group`` sends with :func:`send_object`.
+
+    Args:
+        src_rank_in_group: the sender, as a rank of ``process_group``.
+        process_group: the group (None for WORLD).
+        device: staging device for the pickled bytes (CUDA for NCCL groups).
+
+    Returns:
+        The sender's object (tensors come back on the device they were pickled from).
+    """
+    group = resolve_group(process_group)
+    holder: list[Any] = [None]
+    dist.recv_object_list(holder, group=group, device=device, group_src=src_rank_in_group)
+    return holder[0]

@@ -1,0 +1,412 @@
+"""Drop-in ``torch.distributed.optim.ZeroRedundancyOptimizer`` (torch 2.13).
+
+A thin adapter over focused pieces:
+
+- :mod:`dist_runtime.partition` plans which rank updates which parameter (pure function);
+  :mod:`compat_api._zero.layout` applies the plan to the param groups and keeps the lookup tables;
+- :mod:`dist_runtime.buckets` builds the flat (device, rank) buckets for
+  ``parameters_as_bucket_view=True``;
+- :mod:`dist_runtime.param_sync` broadcasts the updated shards (few, packed, asynchronous
+  collectives instead of one per parameter);
+- :mod:`dist_runtime.state_consolidation` gathers and merges the sharded optimizer state;
+- :mod:`compat_api._zero.validation` and :mod:`compat_api._zero.join` hold the argument checks
+  and the Join hook.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.optim import Optimizer
+
+from compat_api._zero.join import ZeroJoinHook
+from compat_api._zero.layout import ShardLayout, sync_param_groups
+from compat_api._zero.validation import (
+    check_local_optimizer,
+    check_optimizer_class,
+    check_param_group,
+    check_same_dense_type,
+    flatten_params,
+)
+from dist_runtime.buckets import build_rank_buckets
+from dist_runtime.param_sync import ShardBroadcaster, Waitable, broadcast_buckets
+from dist_runtime.partition import argmin_rank
+from dist_runtime.process_group import group_rank, group_size, resolve_group
+from dist_runtime.state_consolidation import (
+    copy_to_device,
+    gather_local_state_dicts,
+    merge_local_state_dicts,
+    split_global_state,
+)
+
+__all__ = ["ZeroRedundancyOptimizer"]
+
+logger = logging.getLogger(__name__)
+
+_OVERLAP_MESSAGE = "overlap_with_ddp=True arrives with the DDP ZeRO hooks"
+
+
+class ZeroRedundancyOptimizer(Optimizer, Joinable):
+    r"""Wrap an optimizer and shard its state across the ranks of a process group (ZeRO-1).
+
+    Each rank's local optimizer (``self.optim``) updates only the parameters assigned to that
+    rank (about ``1 / world_size`` of them, chosen by torch's sorted-greedy rule, so the
+    assignment equals torch's), then every rank broadcasts its updated parameters to the others.
+    Usable with :class:`~torch.nn.parallel.DistributedDataParallel` and with
+    :class:`~torch.distributed.algorithms.Join` for uneven inputs.
+
+    Args:
+        params: an iterable of tensors or of param-group dicts; all parameters must share one
+            dense tensor type.
+        optimizer_class: the local optimizer class (any ``torch.optim.Optimizer`` subclass).
+        process_group: the group to shard over (default: WORLD).
+        parameters_as_bucket_view: pack each rank's trainable parameters per device into one
+            flat bucket, re-pointing ``param.data`` at bucket views, and sync one bucket per
+            (device, rank).
+        overlap_with_ddp: not available yet (raises ``NotImplementedError``).
+        **defaults: forwarded to ``optimizer_class``.
+
+    Raises:
+        TypeError / ValueError: for bad ``params``, mixed dense types, sparse parameters or an
+            unusable ``optimizer_class`` (torch's types and messages).
+        NotImplementedError: if ``overlap_with_ddp=True``.
+
+    Example::
+
+        >>> opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=0.01)
+        >>> ddp(inputs).sum().backward()
+        >>> opt.step()
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        optimizer_class: type[Optimizer],
+        process_group: Any | None = None,
+        parameters_as_bucket_view: bool = False,
+        overlap_with_ddp: bool = False,
+        **defaults: Any,
+    ) -> None:
+        params, self._all_params = flatten_params(params)
+        check_same_dense_type(self._all_params)
+        if overlap_with_ddp:
+            raise NotImplementedError(_OVERLAP_MESSAGE)
+        constructor = check_optimizer_class(optimizer_class)
+        group = resolve_group(process_group)
+
+        # Optimizer.__init__ calls add_param_group: until `initialized`, that only registers.
+        self.initialized = False
+        Optimizer.__init__(self, params, defaults)
+        Joinable.__init__(self)
+
+        self.process_group: Any = group
+        self.world_size: int = group_size(group)
+        self.rank: int = group_rank(group)
+        self.global_rank: int = dist.get_global_rank(group, self.rank)
+        self._layout = ShardLayout(self.world_size, self._get_param_groups, self._get_all_params)
+        self._is_trainable_mask = self._get_is_trainable_mask()
+        self._default_device = self._all_params[0].device
+        self._overlap_with_ddp = False
+        self._optim_defaults = defaults
+        self._optim_constructor = constructor
+        self._broadcaster: ShardBroadcaster | None = None
+        self._init_local_optimizer()
+
+        self.parameters_as_bucket_view = parameters_as_bucket_view
+        self._buckets: list[list[torch.Tensor]] = []
+        self._build_param_buckets()
+        self._all_state_dicts: list[dict[str, Any]] = []
+        self.initialized = True
+
+    # -- partition (torch's private API, used by torch's own tests and DDP hooks) ----------------
+
+    def _get_param_groups(self) -> list[dict[str, Any]]:
+        return self.param_groups
+
+    def _get_all_params(self) -> list[torch.Tensor]:
+        return self._all_params
+
+    def _clear_cache(self) -> None:
+        """Drop the partition, its tables and the broadcast plan."""
+        self._layout.clear()
+        self._broadcaster = None
+
+    def _partition_parameters(
+        self, params_per_rank: list[list[torch.Tensor]] | None = None
+    ) -> list[list[dict[str, Any]]]:
+        """Each rank's param groups (see :meth:`ShardLayout.partition`)."""
+        return self._layout.partition(params_per_rank)
+
+    def _verify_params_per_rank(self, params_per_rank: list[list[torch.Tensor]]) -> None:
+        self._layout.check_params_per_rank(params_per_rank)
+
+    @property
+    def _param_to_rank(self) -> dict[torch.Tensor, int]:
+        """The owning rank of every parameter."""
+        return self._layout.param_to_rank
+
+    @property
+    def _param_to_index(self) -> dict[torch.Tensor, int]:
+        """The global ``state_dict`` index of every parameter."""
+        return self._layout.param_to_index
+
+    @property
+    def _index_to_param(self) -> list[torch.Tensor]:
+        """Parameters in global ``state_dict`` index order."""
+        return self._layout.index_to_param
+
+    @property
+    def _device_to_params_per_rank(self) -> dict[torch.device, list[list[torch.Tensor]]]:
+        """``{device: [rank 0's params on it, ...]}``; only with bucket views."""
+        if not self.parameters_as_bucket_view:
+            raise AssertionError(
+                "`_device_to_params_per_rank` should only be used if "
+                "`parameters_as_bucket_view=True`"
+            )
+        return self._layout.device_to_params_per_rank
+
+    @staticmethod
+    def _get_min_index(values: list[int], disallowed_indices: set[int] | None = None) -> int:
+        """``values.index(min(values))`` over the allowed indices."""
+        return argmin_rank(values, disallowed_indices)
+
+    @staticmethod
+    def _sync_param_groups(
+        src_param_groups: list[dict[Any, Any]], dst_param_groups: list[dict[Any, Any]]
+    ) -> None:
+        """Copy hyperparameters (not ``params``) from one list of groups to another."""
+        sync_param_groups(src_param_groups, dst_param_groups)
+
+    def _get_is_trainable_mask(self) -> list[bool]:
+        return [p.requires_grad for p in self._all_params]
+
+    def _get_optimizer_constructor(self, optimizer_class: Any) -> Callable[..., Optimizer]:
+        return check_optimizer_class(optimizer_class)
+
+    def _check_overlap_initialized(self) -> None:
+        """Seam for the DDP-overlap mode (always initialised without it)."""
+
+    def _init_local_optimizer(self) -> None:
+        """Build ``self.optim`` over this rank's share of every param group."""
+        rank_groups = self._partition_parameters()[self.rank]
+        # A list of groups bypasses the local optimizer's empty-parameter-list check.
+        optim = self._optim_constructor(rank_groups, **self._optim_defaults)
+        self.optim: Optimizer = check_local_optimizer(optim, self._optim_constructor)
+        sync_param_groups(self.optim.param_groups, self.param_groups)
+
+    # -- buckets and parameter sync --------------------------------------------------------------
+
+    def _build_param_buckets(self) -> None:
+        """(Re)build the flat (device, rank) buckets when ``parameters_as_bucket_view=True``."""
+        if self.parameters_as_bucket_view:
+            self._buckets = build_rank_buckets(self._device_to_params_per_rank)
+
+    def _shard_broadcaster(self) -> ShardBroadcaster:
+        if self._broadcaster is None:
+            params_per_rank = [self._layout.params_of_rank(r) for r in range(self.world_size)]
+            self._broadcaster = ShardBroadcaster(params_per_rank, self.process_group)
+        return self._broadcaster
+
+    def _broadcast_params_from_rank(self, rank: int) -> list[Waitable]:
+        """Start broadcasting ``rank``'s shard; returns handles to wait on."""
+        if self.parameters_as_bucket_view:
+            return broadcast_buckets(self._buckets, self.process_group, src=rank)
+        return self._shard_broadcaster().start(rank)
+
+    def _sync_params(self) -> None:
+        """Broadcast every shard from its owner to all ranks and wait."""
+        if self.parameters_as_bucket_view:
+            for handle in broadcast_buckets(self._buckets, self.process_group):
+                handle.wait()
+        else:
+            self._shard_broadcaster().sync()
+
+    # -- the optimizer API -----------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group and repartition; the new parameters go to the least-loaded ranks.
+
+        Earlier groups keep their ranks (the greedy totals carry over in group order), so the
+        local optimizers keep their state.
+
+        Args:
+            param_group: the parameters (same dense type as the others) and their options.
+
+        Raises:
+            TypeError / ValueError: for a malformed group (nothing is changed).
+
+        .. warning:: Call it on all ranks, with the same group: the parameter sync after each
+            step expects every rank to hold the same partition, and a rank that skipped the call
+            would wait forever in its broadcasts.
+        """
+        if not self.initialized:
+            super().add_param_group(param_group)
+            return
+        new_params = check_param_group(param_group, self._all_params[0])
+        super().add_param_group(param_group)
+        self._all_params.extend(new_params)
+        self._is_trainable_mask = self._get_is_trainable_mask()
+        self._clear_cache()
+        rank_groups = self._partition_parameters()[self.rank]
+        if len(rank_groups) == len(self.optim.param_groups) + 1:
+            self.optim.add_param_group(rank_groups[-1])
+        if self.parameters_as_bucket_view:
+            self._build_param_buckets()
+
+    def _local_step(
+        self,
+        gradients: list[torch.Tensor | None] | None = None,
+        closure: Callable[[], float] | None = None,
+        **kwargs: Any,
+    ) -> float | None:
+        """Step the local optimizer on this rank's shard, without syncing parameters."""
+        Join.notify_join_context(self)
+        is_trainable_mask = self._get_is_trainable_mask()
+        if is_trainable_mask != self._is_trainable_mask:
+            logger.warning(
+                "ZeroRedundancyOptimizer detected that the trainable parameters changed; "
+                "rebuilding the parameter buckets if enabled"
+            )
+            self._build_param_buckets()
+            self._is_trainable_mask = is_trainable_mask
+        sync_param_groups(self.param_groups, self.optim.param_groups)
+        if gradients is not None:
+            raise AssertionError(
+                "Specifying `gradients` should not be used when `overlap_with_ddp=False`"
+            )
+        if closure is None:
+            loss = self.optim.step(**kwargs)
+        else:
+            loss = self.optim.step(closure=closure, **kwargs)
+        sync_param_groups(self.optim.param_groups, self.param_groups)
+        return loss  # type: ignore[no-any-return]
+
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], float] | None = None, **kwargs: Any
+    ) -> float | None:
+        """Update this rank's shard with the local optimizer, then sync all shards.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional for most
+                optimizers); extra keyword arguments go to the local optimizer's ``step``.
+
+        Returns:
+            The local optimizer's return value (the loss when a closure is given).
+        """
+        loss = self._local_step(closure=closure, **kwargs)
+        self._sync_params()
+        return loss
+
+    # -- Join --------------------------------------------------------------------------------------
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The ZeRO join hook: a joined rank keeps stepping so the broadcasts still match.
+
+        Gradients must be set before the hook runs (DDP's join hook does it). Takes no options.
+        """
+        return ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of the first parameter."""
+        return self._default_device
+
+    @property
+    def join_process_group(self) -> Any:
+        """The process group the shards are synced over."""
+        return self.process_group
+
+    # -- state dicts -------------------------------------------------------------------------------
+
+    def _staging_device(self) -> torch.device | None:
+        """Where pickled state travels: the parameters' device for NCCL, else the CPU."""
+        if self._default_device.type != "cpu" and "nccl" in str(
+            dist.get_backend(self.process_group)
+        ):
+            return self._default_device
+        return None
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's optimizer state on group rank ``to`` (call it on all ranks).
+
+        Afterwards :meth:`state_dict` on rank ``to`` returns the full state, in the layout of a
+        plain optimizer over all the parameters.
+
+        Args:
+            to: the receiving group rank.
+
+        Raises:
+            ValueError: if ``to`` is not a rank of the group (raised on every rank, no hang).
+        """
+        self._check_overlap_initialized()
+        sync_param_groups(self.param_groups, self.optim.param_groups)
+        gathered = gather_local_state_dicts(
+            self.optim.state_dict(), to, self.process_group, self._staging_device()
+        )
+        self._all_state_dicts = [] if gathered is None else gathered
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global optimizer state as of the last :meth:`consolidate_state_dict` to this rank.
+
+        Raises:
+            RuntimeError: if the state was not consolidated on this rank (torch's message).
+        """
+        self._check_overlap_initialized()
+        if not self._all_state_dicts:
+            raise RuntimeError(
+                "Optimizer state has not been consolidated on this rank. "
+                f"Please call `consolidate_state_dict(to={self.rank})` on all ranks beforehand "
+                "if you meant to save the global state."
+            )
+        rank_param_groups = [
+            [group["params"] for group in groups] for groups in self._partition_parameters()
+        ]
+        return merge_local_state_dicts(
+            super().state_dict(), self._all_state_dicts, rank_param_groups, self._param_to_index
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a global state dict (from :meth:`state_dict`, or a plain optimizer's).
+
+        Each rank keeps only the state of the parameters it owns. Unlike torch, the argument is
+        not modified.
+
+        Args:
+            state_dict: the global optimizer state.
+
+        Raises:
+            ValueError: if the groups or their sizes do not match (``torch.optim`` messages),
+                before anything is loaded.
+            IndexError: if the state names a parameter index that does not exist.
+        """
+        self._check_overlap_initialized()
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(
+            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
+        ):
+            raise ValueError(
+                "loaded state dict contains a parameter group that doesn't match the size of "
+                "optimizer's group"
+            )
+        local, kept = split_global_state(
+            state_dict["state"], self._index_to_param, self._param_to_rank, self.rank
+        )
+        for param, value in local.items():
+            if value is None:
+                continue
+            moved = copy_to_device(value, param.device, non_blocking=True)
+            for name, item in moved.items():
+                # Scalar tensors (e.g. Adam's "step") live on the CPU, as torch puts them.
+                if isinstance(item, torch.Tensor) and item.dim() == 0:
+                    moved[name] = item.cpu()
+            self.optim.state[param] = moved
+        super().load_state_dict({**state_dict, "state": kept})
+        sync_param_groups(saved_groups, self.param_groups)
+        sync_param_groups(self.param_groups, self.optim.param_groups)
