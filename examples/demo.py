@@ -330,4 +330,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (TimeoutError, RuntimeError) as error:
+        sys.exit(f"demo failed: {error}")
