@@ -19,6 +19,7 @@ import torch.distributed.optim as torch_optim
 import compat_api.algorithms.ddp_comm_hooks.post_localSGD_hook as ours_pls_hook
 import compat_api.algorithms.model_averaging.averagers as ours_averagers
 import compat_api.post_localSGD_optimizer as ours_pls_optimizer
+import compat_api.zero_redundancy_optimizer as ours_zero
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ TORCH = Implementation(
 # Switched to compat_api class by class as each one lands; torch's class stands in until then.
 OURS = Implementation(
     name="ours",
-    ZeroRedundancyOptimizer=torch_optim.ZeroRedundancyOptimizer,
+    ZeroRedundancyOptimizer=ours_zero.ZeroRedundancyOptimizer,
     PostLocalSGDState=ours_pls_hook.PostLocalSGDState,
     post_localSGD_hook=ours_pls_hook.post_localSGD_hook,
     PostLocalSGDOptimizer=ours_pls_optimizer.PostLocalSGDOptimizer,
