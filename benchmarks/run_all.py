@@ -30,10 +30,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = ("step_throughput", "zero_step", "averaging", "rpc_step")
-SIZE_HEADER = re.compile(r"\b(size|params?|parameters|numel|elements)\b", re.IGNORECASE)
-RATIO_HEADER = re.compile(r"ratio|vs\.? torch|speed-?up|/ ?torch", re.IGNORECASE)
+SIZE_HEADER = re.compile(r"\b(size|params?|parameters|numel|elements|tensors)\b", re.IGNORECASE)
+RATIO_HEADER = re.compile(
+    r"ratio|vs\.? torch|speed-?up|/ ?torch|\bx torch|\u00d7 ?torch", re.IGNORECASE
+)
 _SUFFIX = {"k": 1e3, "m": 1e6, "g": 1e9, "kib": 2.0**10, "mib": 2.0**20, "gib": 2.0**30}
-_NUMBER = re.compile(r"^([-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?)\s*(k|m|g|kib|mib|gib)?\s*x?$", re.I)
+_NUMBER = re.compile(r"^([-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?)\s*(k|m|g|kib|mib|gib)?\s*[x%]?$", re.I)
 
 
 @dataclass
@@ -57,7 +59,7 @@ class Table:
 
 
 def parse_number(cell: str) -> float | None:
-    """Read ``"1,024"``, ``"10M"``, ``"1.5 MiB"``, ``"0.97x"``, ``"**1.2**"`` as a number."""
+    """Read ``"1,024"``, ``"10M"``, ``"1.5 MiB"``, ``"0.97x"``, ``"12%"``, ``"**1.2**"``."""
     text = cell.strip().strip("*`").replace(",", "").replace("_", "")
     match = _NUMBER.match(text)
     if match is None:
@@ -91,6 +93,12 @@ def _cells(line: str) -> list[str]:
     return [cell.strip() for cell in line.strip().strip("|").split("|")]
 
 
+def our_rows(table: Table) -> list[list[str]]:
+    """The rows about our implementation (a cell starting with "ours"), else every row."""
+    ours = [row for row in table.rows if any(c.lower().startswith("ours") for c in row)]
+    return ours or table.rows
+
+
 def ratio_series(table: Table) -> dict[str, list[tuple[float, float]]]:
     """``{label: [(size, ratio), ...]}`` for a table with a size column and ratio columns.
 
@@ -103,7 +111,7 @@ def ratio_series(table: Table) -> dict[str, list[tuple[float, float]]]:
         return {}
     size_col = size_cols[0]
     series: dict[str, list[tuple[float, float]]] = {}
-    for row in table.rows:
+    for row in our_rows(table):
         size = parse_number(row[size_col])
         if size is None:
             continue
@@ -123,13 +131,13 @@ def ratio_series(table: Table) -> dict[str, list[tuple[float, float]]]:
 
 
 def ratio_summary(markdown: str) -> str:
-    """``"header: min-max (geomean g)"`` for every ratio column of every table."""
+    """``"header: min-max (geomean g)"`` for every ratio column of every table (our rows)."""
     parts = []
     for table in parse_tables(markdown):
         for col, header in enumerate(table.headers):
             if not RATIO_HEADER.search(header):
                 continue
-            values = [parse_number(row[col]) for row in table.rows]
+            values = [parse_number(row[col]) for row in our_rows(table)]
             positive = [v for v in values if v is not None and v > 0]
             if positive:
                 geomean = math.exp(sum(math.log(v) for v in positive) / len(positive))
@@ -152,17 +160,19 @@ def plot_ratios(name: str, markdown: str, folder: Path) -> list[Path]:
         import matplotlib.pyplot as plt
 
         size_header = next(h for h in table.headers if SIZE_HEADER.search(h))
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        fig, ax = plt.subplots(figsize=(9.0, 4.2))
         for label, points in series.items():
             xs, ys = zip(*points)
             ax.plot(xs, ys, marker="o", label=label)
         ax.axhline(1.0, color="0.4", linewidth=0.8, linestyle="--")
         ax.set_xscale("log")
+        ax.set_yscale("log")  # ratios are multiplicative: 0.5x and 2x sit symmetric around 1
         ax.set_xlabel(size_header)
-        ax.set_ylabel("ratio vs torch (same run)")
+        ratio_headers = sorted({h for h in table.headers if RATIO_HEADER.search(h)})
+        ax.set_ylabel(f"{', '.join(ratio_headers)} (ours / torch, same run)")
         ax.set_title(f"{name}: ratio vs {size_header}")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
         fig.tight_layout()
         path = folder / f"{name}_ratio_vs_size{'' if index == 0 else f'_{index}'}.png"
         fig.savefig(path, dpi=110)
