@@ -18,6 +18,14 @@ from functional_optim._tree import PyTree, TreeSpec, leaves_like, tree_flatten
 Scalar = float | Tensor
 
 
+def like(scalar: Scalar, x: Tensor) -> Scalar:
+    """A 0-d tensor scalar cast to ``x``'s dtype (what ops do with a scalar operand anyway), so a
+    0-d ``x`` keeps its dtype instead of being promoted to the scalar's; floats pass through."""
+    if isinstance(scalar, Tensor) and scalar.dtype != x.dtype:
+        return scalar.to(x.dtype)
+    return scalar
+
+
 def mul(x: Tensor, y: Scalar | Tensor, inplace: bool) -> Tensor:
     """``x * y``."""
     return x.mul_(y) if inplace else x.mul(y)

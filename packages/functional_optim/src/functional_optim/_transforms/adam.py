@@ -79,8 +79,8 @@ def scale_by_adam(
             bc2_sqrt = _ops.bias_correction(b2, count) ** 0.5
             if amsgrad:
                 maxes[i] = nu = _ops.maximum(maxes[i], nu, inplace)  # type: ignore[arg-type]
-            denom = (nu.sqrt() / bc2_sqrt).add(eps)
-            out.append(mu.div(bc1).div(denom))
+            denom = (nu.sqrt() / _ops.like(bc2_sqrt, nu)).add(eps)
+            out.append(mu.div(_ops.like(bc1, mu)).div(denom))
         new_state = ScaleByAdamState(
             spec.unflatten(counts),
             spec.unflatten(mus),
@@ -126,7 +126,7 @@ def scale_by_adamax(
             counts[i] = count = _ops.increment(counts[i], inplace)
             mus[i] = mu = _ops.lerp(mus[i], g, 1 - b1, inplace)
             nus[i] = nu = _ops.maximum(_ops.mul(nus[i], b2, inplace), g.abs().add(eps), inplace)
-            out.append(mu.div(_ops.bias_correction(b1, count)).div(nu))
+            out.append(mu.div(_ops.like(_ops.bias_correction(b1, count), mu)).div(nu))
         new_state = ScaleByAdamaxState(
             spec.unflatten(counts), spec.unflatten(mus), spec.unflatten(nus)
         )

@@ -42,7 +42,10 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
             return updates, state
         total = global_norm(leaves)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        out = [None if u is None else _ops.mul(u, coef.to(u.device), inplace) for u in leaves]
+        out = [
+            None if u is None else _ops.mul(u, _ops.like(coef.to(u.device), u), inplace)
+            for u in leaves
+        ]
         return spec.unflatten(out), state
 
     return GradientTransformation(init, update)

@@ -39,6 +39,16 @@ def _cache_key(hyperparams: dict[str, Any]) -> Hashable | None:
     return items
 
 
+def _forward(hyperparams: dict[str, Any], inner: OptState) -> OptState:
+    """Pass the values down when the factory itself returns an injected transform (an alias)."""
+    if not isinstance(inner, InjectHyperparamsState):
+        return inner
+    shared = {k: v for k, v in hyperparams.items() if k in inner.hyperparams}
+    if all(inner.hyperparams[k] is v for k, v in shared.items()):
+        return inner
+    return inner._replace(hyperparams={**inner.hyperparams, **shared})
+
+
 def inject_hyperparams(
     factory: Callable[..., GradientTransformation],
 ) -> Callable[..., GradientTransformation]:
@@ -82,13 +92,14 @@ def inject_hyperparams(
             updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
         ) -> tuple[PyTree, OptState]:
             tx = build(state.hyperparams)
-            updates, inner = tx.update(updates, state.inner_state, params, inplace=inplace)
+            inner = _forward(state.hyperparams, state.inner_state)
+            updates, inner = tx.update(updates, inner, params, inplace=inplace)
             return updates, InjectHyperparamsState(state.hyperparams, inner)
 
         def step(params: PyTree, grads: PyTree, state: OptState) -> OptState:
             inner_step = build(state.hyperparams).step
             assert inner_step is not None
-            inner = inner_step(params, grads, state.inner_state)
+            inner = inner_step(params, grads, _forward(state.hyperparams, state.inner_state))
             return InjectHyperparamsState(state.hyperparams, inner)
 
         fused: StepFn | None = step if base.step is not None else None

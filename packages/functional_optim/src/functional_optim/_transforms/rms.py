@@ -130,7 +130,7 @@ def scale_by_adagrad(
             sums[i] = s = _ops.addcmul(sums[i], g, g, 1.0, inplace)
             u = g.div(s.sqrt().add(eps))
             if lr_decay != 0:
-                u = u.div(1 + (count.to(torch.float64) - 1) * lr_decay)
+                u = u.div(_ops.like(1 + (count.to(torch.float64) - 1) * lr_decay, u))
             out.append(u)
         new_state = ScaleByAdagradState(spec.unflatten(counts), spec.unflatten(sums))
         return spec.unflatten(out), new_state

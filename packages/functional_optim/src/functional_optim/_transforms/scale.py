@@ -32,7 +32,8 @@ class ScaleByScheduleState(NamedTuple):
 
 def _scale_leaves(updates: PyTree, factor: float | Tensor, inplace: bool) -> PyTree:
     leaves, spec = tree_flatten(updates)
-    return spec.unflatten([None if u is None else _ops.mul(u, factor, inplace) for u in leaves])
+    out = [None if u is None else _ops.mul(u, _ops.like(factor, u), inplace) for u in leaves]
+    return spec.unflatten(out)
 
 
 def scale(step_size: float | Tensor) -> GradientTransformation:
