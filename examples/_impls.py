@@ -18,6 +18,7 @@ import torch.distributed.optim as torch_optim
 
 import compat_api.algorithms.ddp_comm_hooks.post_localSGD_hook as ours_pls_hook
 import compat_api.algorithms.model_averaging.averagers as ours_averagers
+import compat_api.optimizer as ours_rpc_optim
 import compat_api.post_localSGD_optimizer as ours_pls_optimizer
 import compat_api.zero_redundancy_optimizer as ours_zero
 
@@ -60,7 +61,7 @@ OURS = Implementation(
     post_localSGD_hook=ours_pls_hook.post_localSGD_hook,
     PostLocalSGDOptimizer=ours_pls_optimizer.PostLocalSGDOptimizer,
     PeriodicModelAverager=ours_averagers.PeriodicModelAverager,
-    DistributedOptimizer=torch_optim.DistributedOptimizer,
+    DistributedOptimizer=ours_rpc_optim.DistributedOptimizer,
 )
 
 IMPLEMENTATIONS = {"torch": TORCH, "ours": OURS}
