@@ -61,6 +61,8 @@ def test_python_blocks_run(tmp_path: Path) -> None:
             sys.executable,
             *("-W", "error"),
             *("-W", "ignore:`torch.jit.script` is deprecated:DeprecationWarning"),
+            # torch's own rpc.init_rpc gathers device maps over a backend object and warns.
+            *("-W", "ignore:You are using a Backend:UserWarning"),
             "-c",
             _RUNNER.format(blocks=blocks),
         ],
