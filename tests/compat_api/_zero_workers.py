@@ -19,6 +19,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 from compat_api.zero_redundancy_optimizer import ZeroRedundancyOptimizer as OurZeRO
+from compat_api.zero_redundancy_optimizer import _broadcast_object
 
 with warnings.catch_warnings():
     # torch.distributed.optim scripts interfaces at import; torch 2.13 deprecates TorchScript.
@@ -315,9 +316,7 @@ def run_bad_input(rank: int, world_size: int) -> list[str]:
     assert _expect(RuntimeError, ours.state_dict) == _expect(RuntimeError, theirs.state_dict)
     _train(model, ours, rank, world_size, range(2))
     ours.consolidate_state_dict(0)
-    holder = [ours.state_dict() if rank == 0 else None]
-    dist.broadcast_object_list(holder, src=0)
-    state_dict: dict[str, Any] = holder[0]
+    state_dict: dict[str, Any] = _broadcast_object(ours.state_dict() if rank == 0 else None, 0)
     local_before = copy.deepcopy(ours.optim.state_dict())
     params_before = flat(model)
 

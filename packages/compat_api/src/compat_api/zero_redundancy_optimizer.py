@@ -51,6 +51,28 @@ logger = logging.getLogger(__name__)
 _OVERLAP_MESSAGE = "overlap_with_ddp=True arrives with the DDP ZeRO hooks"
 
 
+def _broadcast_object(
+    obj: Any,
+    src_rank: int,
+    group: Any = None,
+    device: torch.device | None = None,
+) -> Any:
+    """Broadcast a picklable object from global rank ``src_rank`` (torch's module helper).
+
+    Args:
+        obj: the object on the source rank (ignored elsewhere).
+        src_rank: the source, as a global rank.
+        group: the process group (None for WORLD).
+        device: staging device for the pickled bytes.
+
+    Returns:
+        The source's object on every rank.
+    """
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src_rank, group=group, device=device)
+    return holder[0]
+
+
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
     r"""Wrap an optimizer and shard its state across the ranks of a process group (ZeRO-1).
 
@@ -399,7 +421,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             state_dict["state"], self._index_to_param, self._param_to_rank, self.rank
         )
         for param, value in local.items():
-            if value is None:
+            if not isinstance(value, dict):  # None: a blank entry saved by an earlier load
                 continue
             moved = copy_to_device(value, param.device, non_blocking=True)
             for name, item in moved.items():
