@@ -1,0 +1,206 @@
+"""dist_runtime.flat_shards against single-process torch.optim (gloo worlds of 2 and 3).
+
+Gradients are dyadic rationals (multiples of 2**-8, small), so every sum is exact whatever order
+gloo adds them in, and dividing by 2 is exact: the flat run must then equal the reference
+bitwise. Averaging over 3 ranks is not exact, so world 3 reduces with ``average=False``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from dist_runtime.flat_shards import FlatShards, check_elementwise_optimizer
+from tests._world import World
+
+pytestmark = pytest.mark.distributed
+
+SHAPES = [(7, 5), (13,), (3, 4, 2), (1,), (), (33,), (2, 9)]
+FROZEN = 3  # index of a frozen parameter
+
+OPTIMIZERS: list[tuple[str, dict[str, Any]]] = [
+    ("SGD", {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01, "nesterov": True}),
+    ("Adam", {"lr": 0.01, "amsgrad": True, "weight_decay": 0.1}),
+    ("AdamW", {"lr": 0.01}),
+    ("Adamax", {"lr": 0.02}),
+    ("Adagrad", {"lr": 0.1, "lr_decay": 0.01}),
+    ("Adadelta", {"lr": 1.0}),
+    ("RMSprop", {"lr": 0.01, "momentum": 0.5, "centered": True}),
+    ("Rprop", {"lr": 0.01}),
+    ("Adam", {"lr": 0.01, "foreach": True}),
+]
+
+
+def _params() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=gen, dtype=torch.float64) for s in SHAPES]
+    for i, p in enumerate(params):
+        p.requires_grad_(i != FROZEN)
+    return params
+
+
+def _grad(step: int, rank: int, index: int) -> torch.Tensor | None:
+    if step == 1 and index == 1:
+        return None  # a parameter without gradient in one step
+    gen = torch.Generator().manual_seed(1000 * step + 10 * rank + index)
+    return torch.randint(-64, 64, SHAPES[index], generator=gen, dtype=torch.float64) / 256
+
+
+def _groups(params: list[torch.Tensor]) -> list[dict[str, Any]]:
+    return [{"params": params[:4]}, {"params": params[4:], "lr": 0.003}]
+
+
+def _run_flat(
+    rank: int, world_size: int, name: str, kwargs: dict[str, Any], mode: str, steps: int
+) -> list[torch.Tensor]:
+    params = _params()
+    shards = FlatShards(params)
+    opt = getattr(torch.optim, name)(shards.local_param_groups(_groups(params)), **kwargs)
+    for step in range(steps):
+        for i, p in enumerate(params):
+            if p.requires_grad:
+                # DDP-like mode: every rank holds the same (already averaged) gradient.
+                p.grad = _grad(step, 0 if mode == "local" else rank, i)
+        if mode == "local":
+            shards.attach_local_grads()
+        else:
+            shards.reduce_scatter_grads(average=mode == "mean")
+        opt.step()
+        shards.all_gather_params()
+    return [p.detach().clone() for p in params]
+
+
+def _reference(
+    world_size: int, name: str, kwargs: dict[str, Any], mode: str, steps: int
+) -> list[torch.Tensor]:
+    params = _params()
+    opt = getattr(torch.optim, name)(_groups(params), **kwargs)
+    for step in range(steps):
+        for i, p in enumerate(params):
+            if not p.requires_grad:
+                continue
+            if mode == "local":
+                p.grad = _grad(step, 0, i)
+                continue
+            grads = [_grad(step, r, i) for r in range(world_size)]
+            if all(g is None for g in grads):
+                # reduce_scatter treats missing gradients as zeros
+                p.grad = torch.zeros(SHAPES[i], dtype=torch.float64)
+                continue
+            total = sum(g for g in grads if g is not None)
+            assert isinstance(total, torch.Tensor)
+            p.grad = total / world_size if mode == "mean" else total
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+@pytest.fixture(scope="module")
+def world2() -> Iterator[World]:
+    with World(2) as world:
+        yield world
+
+
+@pytest.fixture(scope="module")
+def world3() -> Iterator[World]:
+    with World(3) as world:
+        yield world
+
+
+def _parity(world: World, mode: str) -> None:
+    for name, kwargs in OPTIMIZERS:
+        results = world.run(_run_flat, name, kwargs, mode, 3)
+        expected = _reference(world.world_size, name, kwargs, mode, 3)
+        for rank, params in enumerate(results):
+            for i, (got, want) in enumerate(zip(params, expected)):
+                assert torch.equal(got, want), (
+                    name,
+                    kwargs,
+                    mode,
+                    rank,
+                    i,
+                    (got - want).abs().max(),
+                )
+
+
+def test_parity_world2_local_and_mean(world2: World) -> None:
+    _parity(world2, "local")
+    _parity(world2, "mean")
+
+
+def test_parity_world3_sum(world3: World) -> None:
+    _parity(world3, "sum")
+
+
+def _layout_facts(rank: int, world_size: int) -> dict[str, Any]:
+    params = _params()
+    shards = FlatShards(params)
+    views = all(
+        p.data.data_ptr() >= shards.buckets[0].flat.data_ptr() for p in params if p.requires_grad
+    )
+    frozen_kept = params[FROZEN].data_ptr() != shards.buckets[0].flat.data_ptr()
+    return {
+        "numels": shards.shard_numels(),
+        "mine": sum(t.numel() for t in shards.pieces),
+        "views": views,
+        "frozen_kept": frozen_kept,
+        "collectives": dict(shards.collectives),
+        "shard_size": shards.buckets[0].layout.shard_size,
+    }
+
+
+def test_layout_and_views(world3: World) -> None:
+    facts = world3.run(_layout_facts)
+    total = sum(math.prod(s) for i, s in enumerate(SHAPES) if i != FROZEN)
+    for rank, fact in enumerate(facts):
+        assert fact["mine"] == fact["numels"][rank]
+        assert sum(fact["numels"]) == total
+        assert fact["shard_size"] == -(-total // 3)
+        assert fact["views"]
+        assert fact["frozen_kept"]
+
+
+def _clip(rank: int, world_size: int, max_norm: float, norm_type: float) -> list[Any]:
+    params = _params()
+    shards = FlatShards(params)
+    opt = torch.optim.SGD(shards.local_param_groups([{"params": params}]), lr=1.0)
+    for i, p in enumerate(params):
+        if p.requires_grad:
+            p.grad = _grad(0, 0, i)
+    shards.attach_local_grads()
+    total = shards.clip_grad_norm_(max_norm, norm_type)
+    opt.step()
+    shards.all_gather_params()
+    return [total, [p.detach().clone() for p in params]]
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, math.inf])
+def test_clip_grad_norm_matches_torch(world2: World, norm_type: float) -> None:
+    max_norm = 0.5
+    results = world2.run(_clip, max_norm, norm_type)
+    params = _params()
+    for i, p in enumerate(params):
+        if p.requires_grad:
+            p.grad = _grad(0, 0, i)
+    want = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+    torch.optim.SGD(params, lr=1.0).step()
+    for total, got in results:
+        torch.testing.assert_close(total, want, rtol=1e-12, atol=0)
+        for g, w in zip(got, params):
+            torch.testing.assert_close(g, w.detach(), rtol=1e-12, atol=1e-15)
+
+
+class _WholeTensor(torch.optim.SGD):
+    elementwise_update = False
+
+
+def test_check_elementwise_optimizer() -> None:
+    for cls in (torch.optim.Adam, torch.optim.Rprop, torch.optim.SGD):
+        check_elementwise_optimizer(cls)
+    with pytest.raises(ValueError, match="declares elementwise_update = False"):
+        check_elementwise_optimizer(_WholeTensor)
+    with pytest.raises(ValueError, match="not a known elementwise optimizer"):
+        check_elementwise_optimizer(torch.optim.LBFGS)
