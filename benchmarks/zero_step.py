@@ -121,7 +121,9 @@ def _state_bytes(optim: torch.optim.Optimizer) -> int:
     )
 
 
-def _time_models(rank: int, quick: bool, reps: int) -> list[dict[str, Any]]:
+def _time_models(
+    rank: int, quick: bool, reps: int, model_names: list[str], bucket_modes: list[bool]
+) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     from compat_api.zero_redundancy_optimizer import ZeroRedundancyOptimizer as Ours
@@ -131,8 +133,8 @@ def _time_models(rank: int, quick: bool, reps: int) -> list[dict[str, Any]]:
         from torch.distributed.optim import ZeroRedundancyOptimizer as Theirs
 
     rows: list[dict[str, Any]] = []
-    for model_name in ("uniform", "skewed"):
-        for bucket_view in (False, True):
+    for model_name in model_names:
+        for bucket_view in bucket_modes:
             base = _model(model_name, quick)
             models = {"torch": base, "ours": _model(model_name, quick)}
             optims: dict[str, Any] = {}
@@ -229,9 +231,23 @@ def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few repetitions (< 60 s)")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per setting")
+    parser.add_argument(
+        "--models", default="uniform,skewed", help="comma-separated subset of uniform,skewed"
+    )
+    parser.add_argument(
+        "--bucket-view", default="both", choices=["both", "on", "off"], help="bucket modes"
+    )
     args = parser.parse_args(argv)
     reps = args.reps or (4 if args.quick else 20)
-    per_rank = _spawn(_time_models, args.quick, reps, timeout_s=120 if args.quick else 900)
+    modes = {"both": [False, True], "on": [True], "off": [False]}[args.bucket_view]
+    per_rank = _spawn(
+        _time_models,
+        args.quick,
+        reps,
+        args.models.split(","),
+        modes,
+        timeout_s=120 if args.quick else 900,
+    )
     header = (
         f"### ZeroRedundancyOptimizer(Adam) step, world size {WORLD_SIZE}, gloo/CPU, "
         f"median of {reps}\n\n"
