@@ -49,3 +49,12 @@ class ScriptLocalOptimizerModule(nn.Module):
             else:
                 grads.append(None)
         self.optim.step(grads)
+
+    @torch.jit.export
+    def step_with_gradients(self, gradients: List[Optional[Tensor]]) -> None:
+        """Apply explicit gradients, one (or None) per local parameter.
+
+        (Use this rather than ``scripted.optim.step`` from Python: in torch 2.13 state that a
+        functional optimizer creates in such a call does not persist to the next one.)
+        """
+        self.optim.step(gradients)
