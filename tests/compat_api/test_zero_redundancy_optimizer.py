@@ -7,6 +7,7 @@ process group are compared with torch's in this process.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,6 +37,42 @@ def world3() -> Iterator[World]:
 def test_class_hierarchy() -> None:
     assert issubclass(OurZeRO, torch.optim.Optimizer)
     assert issubclass(OurZeRO, Joinable)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "__init__",
+        "add_param_group",
+        "consolidate_state_dict",
+        "step",
+        "zero_grad",
+        "state_dict",
+        "load_state_dict",
+        "join_hook",
+        "_partition_parameters",
+        "_local_step",
+    ],
+)
+def test_signatures_match_torch(name: str) -> None:
+    def shape(fn: Any) -> list[tuple[str, Any, Any]]:
+        sig = inspect.signature(fn)
+        return [(p.name, p.kind, p.default) for p in sig.parameters.values()]
+
+    assert shape(getattr(OurZeRO, name)) == shape(getattr(TorchZeRO, name))
+
+
+def test_properties_match_torch() -> None:
+    for name in (
+        "join_device",
+        "join_process_group",
+        "_param_to_rank",
+        "_param_to_index",
+        "_index_to_param",
+        "_device_to_params_per_rank",
+    ):
+        assert isinstance(getattr(OurZeRO, name), property), name
+        assert isinstance(getattr(TorchZeRO, name), property), name
 
 
 def _error(fn: Callable[[], object]) -> tuple[type[BaseException], str]:
@@ -69,6 +106,14 @@ def test_bad_params_match_torch(index: int) -> None:
     ours = _error(lambda: OurZeRO(_bad_params()[index], torch.optim.SGD, lr=0.1))
     theirs = _error(lambda: TorchZeRO(_bad_params()[index], torch.optim.SGD, lr=0.1))
     assert ours == theirs
+
+
+def test_missing_default_group_matches_torch() -> None:
+    params = [torch.zeros(2, requires_grad=True)]
+    ours = _error(lambda: OurZeRO(params, torch.optim.SGD, lr=0.1))
+    theirs = _error(lambda: TorchZeRO(params, torch.optim.SGD, lr=0.1))
+    assert ours == theirs
+    assert ours[0] is ValueError
 
 
 def test_bad_params_leave_groups_alone() -> None:

@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 from compat_api._zero.join import ZeroJoinHook
 from compat_api._zero.layout import ShardLayout, sync_param_groups
 from compat_api._zero.validation import (
+    check_default_group,
     check_local_optimizer,
     check_optimizer_class,
     check_param_group,
@@ -119,6 +120,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if overlap_with_ddp:
             raise NotImplementedError(_OVERLAP_MESSAGE)
         constructor = check_optimizer_class(optimizer_class)
+        check_default_group(process_group)
         group = resolve_group(process_group)
 
         # Optimizer.__init__ calls add_param_group: until `initialized`, that only registers.
@@ -326,7 +328,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     # -- Join --------------------------------------------------------------------------------------
 
-    def join_hook(self, **kwargs: Any) -> JoinHook:
+    def join_hook(self, **_kwargs: Any) -> JoinHook:
         """The ZeRO join hook: a joined rank keeps stepping so the broadcasts still match.
 
         Gradients must be set before the hook runs (DDP's join hook does it). Takes no options.

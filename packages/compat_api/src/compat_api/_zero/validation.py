@@ -12,9 +12,11 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.optim import Optimizer
 
 __all__ = [
+    "check_default_group",
     "check_local_optimizer",
     "check_optimizer_class",
     "check_param_group",
@@ -181,6 +183,19 @@ def check_optimizer_class(optimizer_class: Any) -> Callable[..., Optimizer]:
         )
     constructor: Callable[..., Optimizer] = optimizer_class
     return constructor
+
+
+def check_default_group(process_group: Any) -> None:
+    """Fail like torch when no group is given and the default group does not exist.
+
+    Raises:
+        ValueError: torch's "Default process group has not been initialized" error.
+    """
+    if process_group is None and not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "Default process group has not been initialized, please make sure to call "
+            "init_process_group."
+        )
 
 
 def check_local_optimizer(optim: Any, optimizer_class: Any) -> Optimizer:
