@@ -1,0 +1,260 @@
+"""Drop-in ``torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook`` (torch 2.13).
+
+:func:`hook_with_zero_step` and :func:`hook_with_zero_step_interleaved` wrap a DDP comm hook so
+that a :class:`~compat_api.zero_redundancy_optimizer.ZeroRedundancyOptimizer` built with
+``overlap_with_ddp=True`` runs its step inside DDP's backward pass: each bucket's parameters are
+updated by the rank(s) they are assigned to, with the local functional optimizer, and broadcast
+back bucket by bucket. The state machine lives in :mod:`compat_api._zero.overlap`.
+
+Unlike torch, these hooks also run on gloo (torch refuses it: pytorch issue 62300). torch's
+interleaved hook issues each bucket's broadcasts from the all-reduce future's callback, so the
+position of a broadcast among the all-reduces depends on timing and differs between ranks; gloo
+matches collectives by issue order and fails ("Received data size doesn't match expected size")
+or hangs. Here every collective is issued from the backward thread in a fixed order that is the
+same on every rank; only the optimizer computation runs in the future callbacks:
+
+- :func:`hook_with_zero_step`: all-reduces ``0..n-1``, then, after the last bucket, step and
+  broadcast each bucket in index order (torch's order);
+- :func:`hook_with_zero_step_interleaved`: bucket ``i``'s step starts in its all-reduce future's
+  callback as soon as the all-reduce completes; its broadcasts are issued by the hook call of
+  bucket ``i + 1`` (the last bucket's by its own call): ``ar0, ar1, bc0, ar2, bc1, ..., bc(n-1)``.
+
+The hooks' annotations are real objects (no ``from __future__ import annotations``): DDP's
+``register_comm_hook`` compares them with ``GradBucket`` and ``Future[Tensor]``.
+
+Every broadcast is waited on (with the process group's timeout) before the last bucket's hook
+returns, so the next forward pass sees the updated parameters.
+"""
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._C._distributed_c10d import GradBucket
+from torch.nn.parallel import DistributedDataParallel
+
+from compat_api._zero.overlap import (
+    OverlapStatus,
+    OverlapZero,
+    broadcast_bucket,
+    bucket_step,
+    init_overlap,
+    save_bucket_info,
+)
+
+__all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
+
+Hook = Callable[[Any, GradBucket], torch.futures.Future[Any]]
+
+
+def _check_zero(zero: Any) -> None:
+    if not getattr(zero, "_overlap_with_ddp", False):
+        raise ValueError(
+            "ZeroRedundancyOptimizer must be constructed with `overlap_with_ddp=True` to use "
+            "this hook properly"
+        )
+
+
+def _check_join_order(zero: Any) -> None:
+    """Refuse ``Join([zero, ddp])``: ZeRO's per-iteration join all-reduce would run mid-backward.
+
+    torch calls ``Join.notify_join_context`` from every bucket's step, which only communicates
+    for the first joinable; with ZeRO first its all-reduce lands among DDP's and the ranks hang.
+    """
+    config = getattr(zero, "_join_config", None)
+    if config is not None and config.enable and config.is_first_joinable:
+        raise RuntimeError(
+            "With `overlap_with_ddp=True` the DistributedDataParallel module must come before "
+            "the ZeroRedundancyOptimizer in Join (e.g. `Join([ddp, zero])`): ZeRO's step runs "
+            "inside DDP's backward pass"
+        )
+
+
+def _setup(ddp_ref: weakref.ReferenceType[DistributedDataParallel], zero: Any, bucket: Any) -> None:
+    """Advance the warm-up: record DDP's final buckets for one pass, then initialise ZeRO."""
+    info = zero._overlap_info
+    ddp = ddp_ref()
+    if ddp is None or not ddp._has_rebuilt_buckets:
+        if info.status != OverlapStatus.UNINITIALIZED:
+            raise AssertionError
+        return
+    if info.status == OverlapStatus.UNINITIALIZED:
+        info.status = OverlapStatus.DDP_HAS_REBUILT_BUCKETS
+    if info.status == OverlapStatus.DDP_HAS_REBUILT_BUCKETS:
+        if bucket.index() == 0 and len(info.params_per_bucket) > 0:
+            init = getattr(zero, "_init_zero_for_overlap", None)
+            if init is not None:
+                init()
+            else:
+                init_overlap(zero)
+        else:
+            save_bucket_info(info, bucket)
+
+
+def _record(zero: OverlapZero, bucket: Any, fut: torch.futures.Future[Any]) -> int:
+    """Check that buckets arrive as 0, 1, 2, ... and remember this one; return its index."""
+    info = zero._overlap_info
+    index: int = bucket.index()
+    if len(info.assigned_ranks_per_bucket) <= index:
+        raise AssertionError("`assigned_ranks_per_bucket` is not fully constructed")
+    if info.bucket_indices_seen:
+        if info.bucket_indices_seen[-1] != index - 1:
+            raise AssertionError("Bucket indices are not in incremental order")
+    elif index != 0:
+        raise AssertionError("Bucket indices do not start from 0")
+    info.bucket_indices_seen.append(index)
+    info.bucket_index_to_bucket[index] = bucket
+    info.bucket_index_to_future[index] = fut
+    if index == 0:
+        _check_join_order(zero)
+    return index
+
+
+def _finish_iteration(zero: OverlapZero) -> None:
+    info = zero._overlap_info
+    info.wait_for_broadcasts()
+    info.clear_per_iter_info()
+
+
+def _check_hook_args(zero: Any, shard_buckets: bool) -> None:
+    _check_zero(zero)
+    if shard_buckets:
+        zero._overlap_info.shard_buckets = True
+        zero._overlap_info.total_size = 0
+
+
+def hook_with_zero_step(
+    hook: Hook,
+    ddp: DistributedDataParallel,
+    zero: Any,
+    shard_buckets: bool = False,
+) -> Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]:
+    r"""Wrap ``hook`` so that ZeRO's step follows the last bucket's all-reduce in backward.
+
+    The backward computation runs uninterrupted; after the last bucket has been handed to
+    ``hook``, each bucket (in index order) waits for its all-reduce, is updated by its assigned
+    rank(s) and broadcast, overlapping with the all-reduces still in flight. Prefer it over
+    :func:`hook_with_zero_step_interleaved` when communication is slow relative to computation.
+
+    Args:
+        hook: the comm hook to wrap, e.g. ``default_hooks.allreduce_hook``.
+        ddp: the DistributedDataParallel module the hook is registered on.
+        zero: a ZeroRedundancyOptimizer built with ``overlap_with_ddp=True`` over ``ddp``'s
+            parameters (one param group).
+        shard_buckets: slice each bucket over several ranks for balance (else each bucket goes
+            whole to one rank).
+
+    Returns:
+        The hook to pass to ``ddp.register_comm_hook``.
+
+    Raises:
+        ValueError: if ``zero`` was built with ``overlap_with_ddp=False`` (torch's message).
+
+    .. warning:: The first two iterations (three with ``static_graph=True``) do not update the
+        parameters: DDP's bucketing is final only then, as in torch.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs a process group")
+        >>> zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam,
+        ...                                overlap_with_ddp=True, lr=1e-3)
+        >>> ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
+        >>> for x in batches:
+        ...     ddp(x).sum().backward()   # no zero.step()
+    """
+    _check_hook_args(zero, shard_buckets)
+    ddp_ref = weakref.ref(ddp)
+
+    def hook_with_zero_fn(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        fut = hook(state, bucket)
+        _setup(ddp_ref, zero, bucket)
+        info = zero._overlap_info
+        if info.status != OverlapStatus.INITIALIZED:
+            return fut
+        index = _record(zero, bucket, fut)
+        num_buckets = len(info.params_per_bucket)
+        if index != num_buckets - 1:
+            return fut
+        # Not chained on the last all-reduce: the earlier buckets' steps need not wait for it.
+        for j in range(num_buckets):
+            if zero.rank in info.assigned_ranks_per_bucket[j]:
+                reduced = info.bucket_index_to_future[j].wait()
+                bucket_step(zero, info.bucket_index_to_bucket[j], reduced)
+            broadcast_bucket(zero, j)
+        _finish_iteration(zero)
+        return fut
+
+    return hook_with_zero_fn
+
+
+def _step_in_callback(zero: Any, bucket: Any, fut: torch.futures.Future[Any]) -> torch.Tensor:
+    """Future callback: update this rank's share of ``bucket`` once its all-reduce is done."""
+    bucket_step(zero, bucket, fut.value())
+    buffer: torch.Tensor = bucket.buffer()
+    return buffer
+
+
+def _sync_bucket(zero: OverlapZero, index: int) -> None:
+    """Wait for this rank's step of bucket ``index`` (if assigned), then issue its broadcasts."""
+    info = zero._overlap_info
+    if zero.rank in info.assigned_ranks_per_bucket[index]:
+        info.bucket_index_to_future[index].wait()
+    broadcast_bucket(zero, index)
+
+
+def hook_with_zero_step_interleaved(
+    hook: Hook,
+    ddp: DistributedDataParallel,
+    zero: Any,
+    shard_buckets: bool = False,
+) -> Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]:
+    r"""Wrap ``hook`` so that each bucket's ZeRO step starts as soon as its all-reduce completes.
+
+    The optimizer computation of bucket ``i`` runs in the all-reduce future's callback,
+    interleaved with the backward computation and the other buckets' communication; its
+    broadcasts follow the next bucket's all-reduce (see the module notes for the fixed order
+    that keeps gloo in step). Prefer it over :func:`hook_with_zero_step` when communication is
+    fast relative to computation.
+
+    Args:
+        hook: the comm hook to wrap, e.g. ``default_hooks.allreduce_hook``.
+        ddp: the DistributedDataParallel module the hook is registered on.
+        zero: a ZeroRedundancyOptimizer built with ``overlap_with_ddp=True`` over ``ddp``'s
+            parameters (one param group).
+        shard_buckets: slice each bucket over several ranks for balance (else each bucket goes
+            whole to one rank).
+
+    Returns:
+        The hook to pass to ``ddp.register_comm_hook``.
+
+    Raises:
+        ValueError: if ``zero`` was built with ``overlap_with_ddp=False`` (torch's message).
+
+    .. warning:: The first two iterations (three with ``static_graph=True``) do not update the
+        parameters, as in torch.
+    """
+    _check_hook_args(zero, shard_buckets)
+    ddp_ref = weakref.ref(ddp)
+
+    def hook_with_zero_interleaved_fn(
+        state: Any, bucket: GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
+        fut = hook(state, bucket)
+        _setup(ddp_ref, zero, bucket)
+        info = zero._overlap_info
+        if info.status != OverlapStatus.INITIALIZED:
+            return fut
+        index = _record(zero, bucket, fut)
+        if zero.rank in info.assigned_ranks_per_bucket[index]:
+            fut = fut.then(functools.partial(_step_in_callback, zero, bucket))
+            info.bucket_index_to_future[index] = fut
+        if index > 0:
+            _sync_bucket(zero, index - 1)
+        if index == len(info.params_per_bucket) - 1:
+            _sync_bucket(zero, index)
+            _finish_iteration(zero)
+        return fut
+
+    return hook_with_zero_interleaved_fn
