@@ -466,3 +466,43 @@ def test_plan_pure() -> None:
     assert [(s.rank, s.start, s.stop) for s in plan] == [(0, 0, 3), (1, 3, 6)]
     with pytest.raises(ValueError, match="empty"):
         plan_bucket_assignments([[]], 2, True)
+
+
+def _run_nccl_parity(rank: int, world_size: int, updates: int) -> list[float]:
+    """On CUDA/NCCL: ours against torch's own overlapped ZeRO and hooks (which allow NCCL)."""
+    torch.cuda.set_device(rank)
+    diffs = []
+    for hook in HOOKS:
+        for shard in (False, True):
+            models = [make_model().cuda() for _ in range(2)]
+            ddps = [DDP(m, device_ids=[rank], bucket_cap_mb=SLICED_BUCKET_MB) for m in models]
+            ours = make_zero(list(ddps[0].parameters()), torch.optim.Adam, lr=0.01, foreach=True)
+            theirs = _torch_overlap_zero(
+                list(ddps[1].parameters()), torch.optim.Adam, lr=0.01, foreach=True
+            )
+            torch_fn = {
+                "step": torch_hook.hook_with_zero_step,
+                "interleaved": torch_hook.hook_with_zero_step_interleaved,
+            }[hook]
+            ddps[0].register_comm_hook(
+                None, HOOKS[hook](default_hooks.allreduce_hook, ddps[0], ours, shard)
+            )
+            ddps[1].register_comm_hook(
+                None, torch_fn(default_hooks.allreduce_hook, ddps[1], theirs, shard)
+            )
+            for step in range(2 + updates):
+                for ddp in ddps:
+                    ddp.zero_grad(set_to_none=True)
+                    ddp(batch(rank, step).cuda()).square().mean().backward()
+                torch.cuda.synchronize()
+            for p, q in zip(*(m.parameters() for m in models)):
+                torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+            diffs.append(_max_diff(models[0], models[1]))
+    return diffs
+
+
+@pytest.mark.gpu
+def test_nccl_parity_with_torch_hooks() -> None:
+    world_size = min(2, torch.cuda.device_count())
+    with World(world_size, backend="nccl") as world:
+        world.run(_run_nccl_parity, 3)
