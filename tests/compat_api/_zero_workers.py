@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
+import functional_optim as fo
 from compat_api.zero_redundancy_optimizer import ZeroRedundancyOptimizer as OurZeRO
 from compat_api.zero_redundancy_optimizer import _broadcast_object
 
@@ -337,3 +338,36 @@ def run_bad_input(rank: int, world_size: int) -> list[str]:
     _train(model, ours, rank, world_size, range(2, 3))
     ours.consolidate_state_dict(world_size - 1)
     return messages
+
+
+class FoAdam(fo.Optimizer):
+    """A functional_optim-based torch.optim.Optimizer with a torch-like constructor."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, weight_decay: float = 0.0) -> None:
+        super().__init__(params, fo.adam(lr=lr, weight_decay=weight_decay))
+
+
+def run_functional_optim(rank: int, world_size: int, bucket_view: bool) -> list[float]:
+    """A functional_optim.Optimizer as the local optimizer: parity and a checkpoint round trip."""
+    models = [make_model() for _ in range(3)]
+    ours = OurZeRO(param_groups(models[0]), FoAdam, parameters_as_bucket_view=bucket_view, lr=0.01)
+    plain = FoAdam(param_groups(models[1]), lr=0.01)
+    for model, optim in zip(models, (ours, plain)):
+        _train(model, optim, rank, world_size, range(3))
+    assert equal_models(models[0], models[1])
+    ours.consolidate_state_dict(to=0)
+    checkpoint = _broadcast_object(ours.state_dict() if rank == 0 else None, 0)
+    expected = plain.state_dict()
+    assert list(checkpoint["state"]) == list(expected["state"])
+    for index, state in expected["state"].items():
+        for key, value in state.items():
+            assert torch.equal(
+                torch.as_tensor(checkpoint["state"][index][key]), torch.as_tensor(value)
+            )
+    models[2].load_state_dict(models[0].state_dict())
+    fresh = OurZeRO(param_groups(models[2]), FoAdam, lr=1.0)
+    fresh.load_state_dict(checkpoint)
+    for model, optim in zip(models[1:], (plain, fresh)):
+        _train(model, optim, rank, world_size, range(3, 5))
+    assert equal_models(models[1], models[2]), "diverged after loading the consolidated state"
+    return flat(models[2]).tolist()

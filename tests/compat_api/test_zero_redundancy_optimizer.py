@@ -174,6 +174,13 @@ def test_add_param_group_and_trainability(world2: World, bucket_view: bool) -> N
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_functional_optim_local_optimizer(world2: World, bucket_view: bool) -> None:
+    results = world2.run(workers.run_functional_optim, bucket_view)
+    assert results[0] == results[1]
+
+
+@pytest.mark.distributed
 def test_bad_input_in_world(world2: World) -> None:
     messages = world2.run(workers.run_bad_input)
     assert messages[0] == messages[1]

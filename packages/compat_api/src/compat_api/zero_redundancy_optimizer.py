@@ -394,11 +394,39 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             super().state_dict(), self._all_state_dicts, rank_param_groups, self._param_to_index
         )
 
+    def _local_state_dict(
+        self, local: dict[torch.Tensor, Any], saved_groups: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        """This rank's share of a global state dict, in the local optimizer's layout."""
+        local_groups = self.optim.param_groups
+        position = {p: i for i, p in enumerate(p for g in local_groups for p in g["params"])}
+        state: dict[int, Any] = {}
+        for param, value in local.items():
+            if not isinstance(value, dict):  # None: a blank entry saved by an earlier load
+                continue
+            moved = copy_to_device(value, param.device, non_blocking=True)
+            for name, item in moved.items():
+                # Scalar tensors (e.g. Adam's "step") go to the CPU, as torch puts them.
+                if isinstance(item, torch.Tensor) and item.dim() == 0:
+                    moved[name] = item.cpu()
+            state[position[param]] = moved
+        groups = [
+            {
+                **{k: v for k, v in saved.items() if k != "params"},
+                "params": [position[p] for p in group["params"]],
+            }
+            for saved, group in zip(saved_groups, local_groups)
+        ]
+        return {"state": state, "param_groups": groups}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a global state dict (from :meth:`state_dict`, or a plain optimizer's).
 
-        Each rank keeps only the state of the parameters it owns. Unlike torch, the argument is
-        not modified.
+        Each rank keeps only the state of the parameters it owns, loaded through the local
+        optimizer's own ``load_state_dict`` (torch writes ``optim.state`` directly instead), so
+        optimizers that keep their state elsewhere, such as ``functional_optim.Optimizer``, load
+        it too; for ``torch.optim`` optimizers the loaded values are the same as torch's. Unlike
+        torch, the argument is not modified.
 
         Args:
             state_dict: the global optimizer state.
@@ -422,15 +450,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         local, kept = split_global_state(
             state_dict["state"], self._index_to_param, self._param_to_rank, self.rank
         )
-        for param, value in local.items():
-            if not isinstance(value, dict):  # None: a blank entry saved by an earlier load
-                continue
-            moved = copy_to_device(value, param.device, non_blocking=True)
-            for name, item in moved.items():
-                # Scalar tensors (e.g. Adam's "step") live on the CPU, as torch puts them.
-                if isinstance(item, torch.Tensor) and item.dim() == 0:
-                    moved[name] = item.cpu()
-            self.optim.state[param] = moved
+        self.optim.load_state_dict(self._local_state_dict(local, saved_groups))
         super().load_state_dict({**state_dict, "state": kept})
         sync_param_groups(saved_groups, self.param_groups)
         sync_param_groups(self.param_groups, self.optim.param_groups)
