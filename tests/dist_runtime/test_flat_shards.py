@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dist_runtime.flat_shards import FlatShards, check_elementwise_optimizer
+from dist_runtime.streaming_consolidation import consolidate_piece_states, load_global_state
 from tests._world import World
 
 pytestmark = pytest.mark.distributed
@@ -204,3 +205,83 @@ def test_check_elementwise_optimizer() -> None:
         check_elementwise_optimizer(_WholeTensor)
     with pytest.raises(ValueError, match="not a known elementwise optimizer"):
         check_elementwise_optimizer(torch.optim.LBFGS)
+
+
+def _consolidate(
+    rank: int, world_size: int, name: str, kwargs: dict[str, Any], to: int
+) -> dict[int, Any] | None:
+    params = _params()
+    shards = FlatShards(params)
+    opt = getattr(torch.optim, name)(shards.local_param_groups(_groups(params)), **kwargs)
+    for step in range(2):
+        for i, p in enumerate(params):
+            if p.requires_grad:
+                p.grad = _grad(step, 0, i)
+        shards.attach_local_grads()
+        opt.step()
+        shards.all_gather_params()
+    return consolidate_piece_states(opt, shards.piece_info, to=to)
+
+
+def _load_and_continue(
+    rank: int,
+    world_size: int,
+    name: str,
+    kwargs: dict[str, Any],
+    state: dict[int, Any],
+    values: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    params = _params()
+    with torch.no_grad():
+        for p, v in zip(params, values):
+            p.copy_(v)
+    shards = FlatShards(params)
+    opt = getattr(torch.optim, name)(shards.local_param_groups(_groups(params)), **kwargs)
+    load_global_state(opt, shards.piece_info, state)
+    for i, p in enumerate(params):
+        if p.requires_grad:
+            p.grad = _grad(2, 0, i)
+    shards.attach_local_grads()
+    opt.step()
+    shards.all_gather_params()
+    return [p.detach().clone() for p in params]
+
+
+def _assert_state_equal(got: dict[int, Any], want: dict[int, Any]) -> None:
+    assert list(got) == list(want)
+    for index in want:
+        assert list(got[index]) == list(want[index])
+        for key, value in want[index].items():
+            if isinstance(value, torch.Tensor):
+                assert got[index][key].shape == value.shape
+                assert torch.equal(got[index][key], value), (index, key)
+            else:
+                assert got[index][key] == value
+
+
+@pytest.mark.parametrize(("name", "kwargs"), [OPTIMIZERS[1], OPTIMIZERS[6], OPTIMIZERS[7]])
+def test_streaming_consolidation_is_torch_state(
+    world3: World, name: str, kwargs: dict[str, Any]
+) -> None:
+    results = world3.run(_consolidate, name, kwargs, 1)
+    assert results[0] is None
+    assert results[2] is None
+    params = _params()
+    ref = getattr(torch.optim, name)(_groups(params), **kwargs)
+    for step in range(2):
+        for i, p in enumerate(params):
+            if p.requires_grad:
+                p.grad = _grad(step, 0, i)
+        ref.step()
+    want = ref.state_dict()["state"]
+    _assert_state_equal(results[1], want)
+    # ...and it loads back into another layout (world 3 flat shards), continuing bitwise.
+    values = [p.detach().clone() for p in params]
+    resumed = world3.run(_load_and_continue, name, kwargs, want, values)
+    for i, p in enumerate(params):
+        if p.requires_grad:
+            p.grad = _grad(2, 0, i)
+    ref.step()
+    for got in resumed:
+        for g, w in zip(got, params):
+            assert torch.equal(g, w.detach())
