@@ -1,0 +1,216 @@
+"""Benchmark: balanced flat ZeRO shards vs sorted-greedy (ours) vs torch's ZeroRedundancyOptimizer.
+
+Skewed model: one 16M-parameter layer plus 200 small ones, Adam, two gloo ranks on 127.0.0.1.
+Sorted-greedy (torch's rule, also ours by default) must put the big layer on one rank, so that
+rank holds almost all of the optimizer state; the flat partition cuts the concatenated
+parameters into equal shards. Reported per variant: per-rank optimizer-state bytes (max/min),
+median step time (local step + parameter sync; gradients already averaged as after DDP), and
+bytes written to sockets per step by each rank (from ``/proc/self/io``), plus the no-DDP
+variants: all-reduce + torch ZeRO against flat reduce-scatter + all-gather.
+
+Usage: ``python benchmarks/zero_flat.py [--quick]``; ``main(argv) -> str`` returns the markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import socket
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+WORLD_SIZE = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _entry(rank: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=WORLD_SIZE,
+            timeout=timedelta(seconds=120),
+        )
+        out.put((rank, "ok", fn(rank, *args)))
+        dist.destroy_process_group()
+    except BaseException:
+        out.put((rank, "error", traceback.format_exc()))
+
+
+def spawn(fn: Callable[..., Any], *args: Any, timeout_s: float) -> list[Any]:
+    """Run ``fn(rank, *args)`` on fresh gloo ranks; results by rank; kill on timeout."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(rank, port, fn, args, out), daemon=True)
+        for rank in range(WORLD_SIZE)
+    ]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < WORLD_SIZE:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"benchmark ranks did not finish within {timeout_s:.0f} s")
+            try:
+                rank, status, value = out.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
+                if dead and out.empty():
+                    raise RuntimeError(f"benchmark ranks {dead} died") from None
+                continue
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+    return [results[r] for r in range(WORLD_SIZE)]
+
+
+def socket_bytes_written() -> int:
+    """Bytes this process has passed to write-like syscalls (sockets included)."""
+    with open("/proc/self/io", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _model(big: int, n_small: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    side = int(big**0.5)
+    params = [torch.randn(side, side, generator=gen)]
+    params += [torch.randn(500 + 37 * i, generator=gen) for i in range(n_small)]
+    for p in params:
+        p.requires_grad_(True)
+        p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+    return params
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(
+        v.numel() * v.element_size()
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    )
+
+
+def _bench(rank: int, big: int, n_small: int, steps: int) -> dict[str, dict[str, float]]:
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
+
+    from compat_api.zero_redundancy_optimizer import ZeroRedundancyOptimizer as OurZeRO
+    from dist_runtime.flat_shards import FlatShards
+
+    results: dict[str, dict[str, float]] = {}
+
+    def measure(name: str, step: Callable[[], object], optimizer: torch.optim.Optimizer) -> None:
+        step()  # allocates the state
+        times, sent = [], []
+        for _ in range(steps):
+            dist.barrier()
+            before, start = socket_bytes_written(), time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+            sent.append(socket_bytes_written() - before)
+        results[name] = {
+            "ms": 1e3 * statistics.median(times),
+            "state": float(_state_bytes(optimizer)),
+            "sent": float(statistics.median(sent)),
+        }
+
+    params = _model(big, n_small)
+    torch_zero = TorchZeRO(params, torch.optim.Adam, lr=1e-3)
+    measure("torch", torch_zero.step, torch_zero.optim)
+
+    def allreduce_then_torch() -> None:
+        for p in params:
+            assert p.grad is not None
+            dist.all_reduce(p.grad)
+        torch_zero.step()
+
+    measure("torch, all-reduce grads first", allreduce_then_torch, torch_zero.optim)
+
+    params = _model(big, n_small)
+    ours = OurZeRO(params, torch.optim.Adam, lr=1e-3)
+    measure("sorted-greedy (ours)", ours.step, ours.optim)
+
+    params = _model(big, n_small)
+    shards = FlatShards(params)
+    flat_opt = torch.optim.Adam(shards.local_param_groups([{"params": params}]), lr=1e-3)
+
+    def flat_step() -> None:
+        shards.attach_local_grads()
+        flat_opt.step()
+        shards.all_gather_params()
+
+    measure("flat", flat_step, flat_opt)
+
+    def flat_reduce_step() -> None:
+        shards.reduce_scatter_grads()
+        flat_opt.step()
+        shards.all_gather_params()
+
+    measure("flat, reduce-scatter grads first", flat_reduce_step, flat_opt)
+    return results
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Run the benchmark; print and return its markdown table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="smoke-test sizes (< 60 s)")
+    args = parser.parse_args(argv)
+    big, steps = (1 << 21, 3) if args.quick else (1 << 24, 10)
+    per_rank = spawn(_bench, big, 200, steps, timeout_s=300 if args.quick else 1200)
+    names = list(per_rank[0])
+    torch_ms = max(r["torch"]["ms"] for r in per_rank)
+    lines = [
+        f"### Skewed model ({big / 1e6:.1f}M-param layer + 200 small), Adam, {WORLD_SIZE} gloo "
+        f"ranks, median of {steps} steps",
+        "",
+        "| variant | state MB per rank | max/min | step ms (slowest rank) | vs torch "
+        "| MB sent per step (per rank) |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for name in names:
+        states = [r[name]["state"] for r in per_rank]
+        ms = max(r[name]["ms"] for r in per_rank)
+        sent = " / ".join(f"{r[name]['sent'] / 1e6:.1f}" for r in per_rank)
+        ratio = max(states) / min(states) if min(states) > 0 else float("inf")
+        lines.append(
+            f"| {name} | {' / '.join(f'{s / 1e6:.1f}' for s in states)} | {ratio:.4f} "
+            f"| {ms:.1f} | {ms / torch_ms:.2f} | {sent} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    return table
+
+
+if __name__ == "__main__":
+    main()
