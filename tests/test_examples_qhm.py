@@ -78,9 +78,12 @@ def test_functional_qhm_rejects_an_empty_parameter_list_unless_allowed() -> None
 
 
 def test_register_adds_qhm_to_the_shared_map() -> None:
-    register()
-    assert functional_optim_map[QHM] is FunctionalQHM
-    assert DistributedOptimizer.functional_optim_map[QHM] is FunctionalQHM
+    try:
+        register()
+        assert functional_optim_map[QHM] is FunctionalQHM
+        assert DistributedOptimizer.functional_optim_map[QHM] is FunctionalQHM
+    finally:
+        functional_optim_map.pop(QHM, None)
 
 
 # -- over RPC -------------------------------------------------------------------------------------

@@ -53,8 +53,9 @@ def _case_id(case: tuple[type, type, dict[str, Any]]) -> str:
 
 
 def test_functional_optim_map_maps_torchs_eight_classes_to_ours() -> None:
-    assert list(utils.functional_optim_map) == list(torch_utils.functional_optim_map)
-    assert {cls: fn for cls, fn, _ in CASES} == utils.functional_optim_map
+    eight = list(torch_utils.functional_optim_map)
+    assert list(utils.functional_optim_map)[:8] == eight  # other tests may register more
+    assert {cls: fn for cls, fn, _ in CASES} == {k: utils.functional_optim_map[k] for k in eight}
     assert DistributedOptimizer.functional_optim_map is utils.functional_optim_map
 
 
