@@ -77,7 +77,7 @@ def _copy(value: Any) -> Any:
 
 
 def split_param_state(
-    state: Mapping[str, Any], shape: Sequence[int], start: int, stop: int
+    state: Mapping[str, Any], shape: Sequence[int], start: int, stop: int, copy: bool = True
 ) -> dict[str, Any]:
     """Cut a whole parameter's torch-format state down to elements ``[start, stop)``.
 
@@ -86,18 +86,20 @@ def split_param_state(
         shape: the parameter's shape.
         start: first element of the piece.
         stop: one past its last element.
+        copy: copy the values (False: views of ``state``'s tensors where possible).
 
     Returns:
-        A new dict: elementwise tensors become 1-D copies of the slice, other values copies.
+        A new dict: elementwise tensors become 1-D slices, other values copies (or the same
+        objects without ``copy``).
     """
-    return {
-        name: (
-            value.detach().reshape(-1)[start:stop].clone()
-            if is_elementwise(name, value, shape)
-            else _copy(value)
-        )
-        for name, value in state.items()
-    }
+    out: dict[str, Any] = {}
+    for name, value in state.items():
+        if is_elementwise(name, value, shape):
+            piece = value.detach().reshape(-1)[start:stop]
+            out[name] = piece.clone() if copy else piece
+        else:
+            out[name] = _copy(value) if copy else value
+    return out
 
 
 def join_piece_states(
@@ -134,7 +136,8 @@ def join_piece_states(
         piece_shape = (ordered[0][1] - ordered[0][0],)
         if is_elementwise(name, first, piece_shape):
             values = [state[name].detach().reshape(-1) for _, _, state in ordered]
-            joined[name] = torch.cat(values).reshape(shape)
+            # One piece (a whole parameter) is reshaped without a copy.
+            joined[name] = (values[0] if len(values) == 1 else torch.cat(values)).reshape(shape)
         else:
             joined[name] = _copy(first)
     return joined

@@ -41,13 +41,15 @@ PieceStates = list[tuple[Piece, dict[str, Any]]]
 
 
 def local_piece_states(
-    optimizer: torch.optim.Optimizer, pieces: Mapping[torch.Tensor, Piece]
+    optimizer: torch.optim.Optimizer, pieces: Mapping[torch.Tensor, Piece], copy: bool = True
 ) -> PieceStates:
-    """CPU copies of this rank's piece states, elementwise values flattened to 1-D.
+    """This rank's piece states on the CPU, elementwise values flattened to 1-D.
 
     Args:
         optimizer: the local optimizer.
         pieces: where each of its tensors lies in the global parameters.
+        copy: copy CPU tensors (False: share them with the live state, as torch's
+            consolidation does for the receiving rank's own state).
 
     Returns:
         One entry per tensor that has state, in ``pieces`` order.
@@ -57,7 +59,7 @@ def local_piece_states(
         state = optimizer.state.get(tensor)
         if not state:
             continue
-        flat = split_param_state(state, tuple(tensor.shape), 0, tensor.numel())
+        flat = split_param_state(state, tuple(tensor.shape), 0, tensor.numel(), copy=copy)
         cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
         out.append((piece, cpu))
     return out
