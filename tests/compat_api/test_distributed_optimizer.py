@@ -101,9 +101,7 @@ def _make_param(seed: int, shape: tuple[int, ...]) -> Tensor:
 
 def _named_zeros(name: str, numel: int) -> Tensor:
     """The same tensor for every caller (trainer processes share it by name)."""
-    if name not in _NAMED:
-        _NAMED[name] = torch.zeros(numel, requires_grad=True)
-    return _NAMED[name]
+    return _NAMED.setdefault(name, torch.zeros(numel, requires_grad=True))  # atomic
 
 
 def _layer1(w: rpc.RRef[Tensor], b: rpc.RRef[Tensor], x: Tensor) -> Tensor:
@@ -408,6 +406,7 @@ def test_errors_match_torch_and_report_every_failing_worker(world3: World) -> No
 @pytest.mark.parametrize("scripted", [True, False], ids=["scripted", "eager"])
 def test_trainer_processes_and_threads_lose_no_update(world3: World, scripted: bool) -> None:
     name = f"shared-{scripted}"
+    world3.run_on([0], _fetch_named, name)  # creates it
     # Ranks 0 and 2 each run two trainer threads on the same parameter of worker1.
     world3.run_on([0, 2], _trainer_process, name, scripted)
     low, high = world3.run_on([0], _fetch_named, name)[0]
