@@ -53,7 +53,7 @@ def _entry(rank: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], 
         options = rpc.TensorPipeRpcBackendOptions(
             init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=120, num_worker_threads=16
         )
-        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=WORLD_SIZE, rpc_backend_options=options)
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=WORLD_SIZE, rpc_backend_options=options)  # type: ignore[no-untyped-call]
         value = fn(rank, *args) if rank == 0 else None
         rpc.shutdown(graceful=True, timeout=120)
         out.put((rank, "ok", value))
@@ -136,7 +136,7 @@ def _backward(context_id: int, rrefs: list[Any]) -> None:
     from torch.distributed import rpc
 
     loss = rpc.rpc_sync("worker1", _loss, args=(rrefs,))
-    dist_autograd.backward(context_id, [loss])
+    dist_autograd.backward(context_id, [loss])  # type: ignore[attr-defined]
 
 
 def _concurrent(opts: list[Any], rrefs: list[Any], steps: int) -> float:
@@ -179,10 +179,13 @@ def _latency(opts: dict[str, Any], rrefs: list[Any], reps: int) -> dict[str, flo
         _backward(context_id, rrefs)
         for rep in range(reps + 2):
             for impl, opt in opts.items():
+                before = rrefs[0].to_here() if rep == 0 else None
                 start = time.perf_counter()
                 opt.step(context_id)
                 if rep >= 2:
                     times[impl].append(time.perf_counter() - start)
+                if before is not None and torch.equal(before, rrefs[0].to_here()):
+                    raise RuntimeError(f"{impl}'s step did not update the parameters")
     return {impl: statistics.median(t) * 1e3 for impl, t in times.items()}
 
 
