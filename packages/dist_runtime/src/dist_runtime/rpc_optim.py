@@ -21,6 +21,7 @@ owner costs extra fork/ack messages on every step. The RRef returned by
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import threading
 import warnings
@@ -134,9 +135,10 @@ def compile_class(cls: type) -> None:
         if _get_script_class(cls) is not None:  # type: ignore[no-untyped-call]
             return
         try:
-            hook = getattr(cls, "__prepare_scriptable__", None)
-            if callable(hook):
-                hook()
+            # Our functional classes compile themselves in a static hook (see functional_optim).
+            hook = inspect.getattr_static(cls, "__prepare_scriptable__", None)
+            if isinstance(hook, staticmethod | classmethod):
+                cls.__prepare_scriptable__()  # type: ignore[attr-defined]
             if _get_script_class(cls) is None:  # type: ignore[no-untyped-call]
                 rcb = createResolutionCallbackForClassMethods(cls)
                 _compile_and_register_class(cls, rcb, _qualified_name(cls))  # type: ignore[no-untyped-call]
