@@ -17,6 +17,7 @@ torch's errors. One gloo world of 2 and one of 3 ranks; workers are the module-l
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 import warnings
@@ -61,53 +62,9 @@ TINY_BUCKET_MB = 1e-5
 SLICED_BUCKET_MB = 3e-4
 
 
-# -- phase-1 shim: wires overlap.py into the class until the class does it itself ---------------
-
-
-class _OverlapShim(OurZeRO):
-    """ZeroRedundancyOptimizer with the overlap seam wired in by hand (removed once integrated)."""
-
-    def __init__(self, params: Any, optimizer_class: Any, **defaults: Any) -> None:
-        constructor = overlap.functional_constructor(optimizer_class)
-        super().__init__(params, torch.optim.SGD, **defaults)
-        self._overlap_with_ddp = True
-        self._optim_constructor = constructor
-        self._overlap_info = overlap.OverlapInfo(self.world_size)
-
-    def _init_local_optimizer(self) -> None:
-        pass
-
-    def _init_zero_for_overlap(self) -> None:
-        overlap.init_overlap(self)  # type: ignore[arg-type]
-
-    def _local_step(self, gradients: Any = None, closure: Any = None, **kwargs: Any) -> None:
-        overlap.local_step(self, gradients)  # type: ignore[arg-type]
-
-    def step(self, closure: Any = None, **kwargs: Any) -> None:  # type: ignore[override]
-        return None
-
-    def _check_overlap_initialized(self) -> None:
-        if self._overlap_info.status != overlap.OverlapStatus.INITIALIZED:
-            raise RuntimeError(
-                "This method should not be called until this ZeroRedundancyOptimizer instance "
-                "has been fully initialized"
-            )
-
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        self._check_overlap_initialized()
-        from dist_runtime.state_consolidation import gather_local_state_dicts
-
-        local = overlap.local_state_dict(self.optim, self.param_groups[0])
-        gathered = gather_local_state_dicts(local, to, self.process_group)
-        self._all_state_dicts = [] if gathered is None else gathered
-
-
-def make_zero(params: list[Any], optimizer_class: Any, **kwargs: Any) -> Any:
-    """Our ZeRO with ``overlap_with_ddp=True`` (through the shim while the class lacks it)."""
-    try:
-        return OurZeRO(params, optimizer_class, overlap_with_ddp=True, **kwargs)
-    except NotImplementedError:
-        return _OverlapShim(params, optimizer_class, **kwargs)
+def make_zero(params: list[Any], optimizer_class: Any, **kwargs: Any) -> OurZeRO:
+    """Our ZeRO with ``overlap_with_ddp=True``."""
+    return OurZeRO(params, optimizer_class, overlap_with_ddp=True, **kwargs)
 
 
 # -- helpers run inside the ranks ------------------------------------------------------------------
@@ -270,8 +227,8 @@ def _run_join_order(rank: int, world_size: int) -> str:
 def _run_state_dict(rank: int, world_size: int, name: str) -> None:
     """Consolidated state after warm-up + 3 updates equals the plain optimizer's state."""
     extra = {"foreach": True}
-    _, ddp, zero = overlapped("interleaved", True, False, name, extra)
-    _, ref_ddp, ref_opt = reference(False, name, extra, SLICED_BUCKET_MB)
+    model, ddp, zero = overlapped("interleaved", True, False, name, extra)
+    ref_model, ref_ddp, ref_opt = reference(False, name, extra, SLICED_BUCKET_MB)
     with pytest.raises(RuntimeError, match="fully initialized"):
         zero.consolidate_state_dict(0)
     with pytest.raises(RuntimeError, match="fully initialized"):
@@ -291,6 +248,20 @@ def _run_state_dict(rank: int, world_size: int, name: str) -> None:
             assert set(ours["state"][index]) == set(state)
             for key, value in state.items():
                 assert torch.equal(ours["state"][index][key], value), (index, key)
+    # Reload the plain optimizer's state (scaled, so that it matters) and keep training.
+    saved = ref_opt.state_dict()
+    for state in saved["state"].values():
+        for key, value in state.items():
+            if key != "step":
+                value.mul_(0.5)
+    zero.load_state_dict(copy.deepcopy(saved))
+    ref_opt.load_state_dict(saved)
+    for step in range(5, 7):
+        train_step(ddp, rank, step)
+        train_step(ref_ddp, rank, step)
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
 
 
 def _torch_overlap_zero(params: list[Any], optimizer_class: Any, **kwargs: Any) -> Any:

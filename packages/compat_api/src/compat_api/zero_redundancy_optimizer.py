@@ -24,8 +24,19 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
+from compat_api._zero.flat import FlatPartition, clip_grad_norm, owned_pieces, pop_partition
 from compat_api._zero.join import ZeroJoinHook
 from compat_api._zero.layout import ShardLayout, sync_param_groups
+from compat_api._zero.overlap import DDPBucketAssignment as _DDPBucketAssignment
+from compat_api._zero.overlap import OverlapInfo as _OverlapInfo
+from compat_api._zero.overlap import OverlapStatus as _OverlapStatus
+from compat_api._zero.overlap import (
+    functional_constructor,
+    init_overlap,
+    load_local_state,
+    local_state_dict,
+    local_step,
+)
 from compat_api._zero.validation import (
     check_default_group,
     check_local_optimizer,
@@ -38,18 +49,18 @@ from dist_runtime.buckets import build_rank_buckets
 from dist_runtime.param_sync import ShardBroadcaster, Waitable, broadcast_buckets
 from dist_runtime.partition import argmin_rank
 from dist_runtime.process_group import group_rank, group_size, resolve_group
+from dist_runtime.sharded_checkpoint import load_optimizer_shards, save_optimizer_shards
 from dist_runtime.state_consolidation import (
     copy_to_device,
     gather_local_state_dicts,
     merge_local_state_dicts,
     split_global_state,
 )
+from dist_runtime.streaming_consolidation import consolidate_piece_states, load_global_state
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
 logger = logging.getLogger(__name__)
-
-_OVERLAP_MESSAGE = "overlap_with_ddp=True arrives with the DDP ZeRO hooks"
 
 
 def _broadcast_object(
@@ -91,13 +102,18 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         parameters_as_bucket_view: pack each rank's trainable parameters per device into one
             flat bucket, re-pointing ``param.data`` at bucket views, and sync one bucket per
             (device, rank).
-        overlap_with_ddp: not available yet (raises ``NotImplementedError``).
+        overlap_with_ddp: run the step inside DDP's backward pass instead of in :meth:`step`:
+            register :func:`~compat_api.algorithms.ddp_comm_hooks.ddp_zero_hook.hook_with_zero_step`
+            (or ``..._interleaved``) on the DDP module; ``optimizer_class`` is replaced by its
+            functional counterpart (:data:`compat_api.utils.functional_optim_map`), one param
+            group only; the first 2 iterations (3 with ``static_graph``) do not update.
         **defaults: forwarded to ``optimizer_class``.
 
     Raises:
         TypeError / ValueError: for bad ``params``, mixed dense types, sparse parameters or an
             unusable ``optimizer_class`` (torch's types and messages).
-        NotImplementedError: if ``overlap_with_ddp=True``.
+        ValueError: with ``overlap_with_ddp=True``, if ``optimizer_class`` has no functional
+            counterpart (torch's message).
 
     Example::
 
@@ -117,9 +133,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     ) -> None:
         params, self._all_params = flatten_params(params)
         check_same_dense_type(self._all_params)
+        # Our extension, taken out of the defaults so that the signature stays torch's.
+        self.partition = pop_partition(defaults, optimizer_class, overlap_with_ddp)
         if overlap_with_ddp:
-            raise NotImplementedError(_OVERLAP_MESSAGE)
-        constructor = check_optimizer_class(optimizer_class)
+            constructor = functional_constructor(optimizer_class)
+        else:
+            constructor = check_optimizer_class(optimizer_class)
         check_default_group(process_group)
         group = resolve_group(process_group)
 
@@ -135,11 +154,24 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._layout = ShardLayout(self.world_size, self._get_param_groups, self._get_all_params)
         self._is_trainable_mask = self._get_is_trainable_mask()
         self._default_device = self._all_params[0].device
-        self._overlap_with_ddp = False
+        self._overlap_with_ddp = overlap_with_ddp
         self._optim_defaults = defaults
         self._optim_constructor = constructor
         self._broadcaster: ShardBroadcaster | None = None
-        self._init_local_optimizer()
+        self._flat: FlatPartition | None = (
+            FlatPartition(self._all_params, group) if self.partition == "flat" else None
+        )
+        if overlap_with_ddp:
+            # The local functional optimizer waits for DDP's final buckets (the DDP ZeRO hooks
+            # call `_init_zero_for_overlap`).
+            self._overlap_info = _OverlapInfo(self.world_size)
+            if parameters_as_bucket_view:
+                logger.warning(
+                    "`parameters_as_bucket_view=True` will be ignored since "
+                    "`overlap_with_ddp=True`; instead, a different bucketing strategy will be used"
+                )
+        else:
+            self._init_local_optimizer()
 
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self._buckets: list[list[torch.Tensor]] = []
@@ -213,11 +245,49 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return check_optimizer_class(optimizer_class)
 
     def _check_overlap_initialized(self) -> None:
-        """Seam for the DDP-overlap mode (always initialised without it)."""
+        """Raise torch's RuntimeError while an ``overlap_with_ddp=True`` instance is warming up."""
+        if self._overlap_with_ddp and self._overlap_info.status != _OverlapStatus.INITIALIZED:
+            raise RuntimeError(
+                "This method should not be called until this ZeroRedundancyOptimizer instance "
+                "has been fully initialized"
+            )
+
+    # -- overlap_with_ddp=True (state machine in compat_api._zero.overlap) -----------------------
+
+    def _init_zero_for_overlap(self) -> None:
+        """The delayed initialisation, once DDP's buckets are final (called by the DDP hooks)."""
+        if not self._overlap_with_ddp:
+            raise AssertionError(
+                "`_init_zero_for_overlap()` should only be called when `overlap_with_ddp=True`"
+            )
+        init_overlap(self)
+
+    @property
+    def _bucket_assignments_per_rank(self) -> list[dict[int, _DDPBucketAssignment]]:
+        """``[rank]{bucket_index: assignment}``: the DDP bucket (slices) each rank updates."""
+        if not self._overlap_with_ddp:
+            raise AssertionError(
+                "`_bucket_assignments_per_rank` only be used if `overlap_with_ddp=True`"
+            )
+        if self._overlap_info.status != _OverlapStatus.INITIALIZED:
+            raise AssertionError
+        return self._overlap_info.bucket_assignments_per_rank
+
+    def _get_assigned_rank(self, bucket_index: int) -> int:
+        """The rank that updates a whole DDP bucket (without ``shard_buckets``)."""
+        if self._overlap_info.shard_buckets:
+            raise AssertionError(
+                "The bucket assignment requires global bucket information and will be computed "
+                "later; there should be no need to use this method"
+            )
+        return bucket_index % self.world_size
 
     def _init_local_optimizer(self) -> None:
         """Build ``self.optim`` over this rank's share of every param group."""
-        rank_groups = self._partition_parameters()[self.rank]
+        if self._flat is not None:
+            rank_groups = self._flat.local_param_groups(self.param_groups)
+        else:
+            rank_groups = self._partition_parameters()[self.rank]
         # A list of groups bypasses the local optimizer's empty-parameter-list check.
         optim = self._optim_constructor(rank_groups, **self._optim_defaults)
         self.optim: Optimizer = check_local_optimizer(optim, self._optim_constructor)
@@ -227,7 +297,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _build_param_buckets(self) -> None:
         """(Re)build the flat (device, rank) buckets when ``parameters_as_bucket_view=True``."""
-        if self.parameters_as_bucket_view:
+        if self.parameters_as_bucket_view and not self._overlap_with_ddp and self._flat is None:
             self._buckets = build_rank_buckets(self._device_to_params_per_rank)
 
     def _shard_broadcaster(self) -> ShardBroadcaster:
@@ -238,13 +308,20 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _broadcast_params_from_rank(self, rank: int) -> list[Waitable]:
         """Start broadcasting ``rank``'s shard; returns handles to wait on."""
+        if self._overlap_with_ddp:
+            raise AssertionError(
+                "`_broadcast_params_from_rank()` should not be used if `overlap_with_ddp=True`; "
+                "instead, the broadcasting should happen in the DDP communication hook"
+            )
         if self.parameters_as_bucket_view:
             return broadcast_buckets(self._buckets, self.process_group, src=rank)
         return self._shard_broadcaster().start(rank)
 
     def _sync_params(self) -> None:
         """Broadcast every shard from its owner to all ranks and wait."""
-        if self.parameters_as_bucket_view:
+        if self._flat is not None:
+            self._flat.shards.all_gather_params()
+        elif self.parameters_as_bucket_view:
             for handle in broadcast_buckets(self._buckets, self.process_group):
                 handle.wait()
         else:
@@ -268,9 +345,19 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             step expects every rank to hold the same partition, and a rank that skipped the call
             would wait forever in its broadcasts.
         """
+        if self.initialized and self._overlap_with_ddp:
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer with `overlap_with_ddp=True` only supports a single "
+                "parameter group"
+            )
         if not self.initialized:
             super().add_param_group(param_group)
             return
+        if self._flat is not None:
+            raise NotImplementedError(
+                "partition='flat' lays out the parameters once, at construction: pass every "
+                "param group to the constructor"
+            )
         new_params = check_param_group(param_group, self._all_params[0])
         super().add_param_group(param_group)
         self._all_params.extend(new_params)
@@ -288,7 +375,18 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         closure: Callable[[], float] | None = None,
         **kwargs: Any,
     ) -> float | None:
-        """Step the local optimizer on this rank's shard, without syncing parameters."""
+        """Step the local optimizer on this rank's shard, without syncing parameters.
+
+        With ``overlap_with_ddp=True`` the DDP hooks pass ``gradients`` (``None`` entries leave
+        their parameters alone) for the local functional optimizer.
+        """
+        if gradients is not None and self._overlap_with_ddp:
+            if closure is not None:
+                raise AssertionError(
+                    "`closure` is not supported when using a local functional optimizer"
+                )
+            local_step(self, gradients)
+            return None
         Join.notify_join_context(self)
         is_trainable_mask = self._get_is_trainable_mask()
         if is_trainable_mask != self._is_trainable_mask:
@@ -303,6 +401,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             raise AssertionError(
                 "Specifying `gradients` should not be used when `overlap_with_ddp=False`"
             )
+        if self._flat is not None:
+            self._flat.shards.attach_local_grads()
         if closure is None:
             loss = self.optim.step(**kwargs)
         else:
@@ -322,6 +422,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Returns:
             The local optimizer's return value (the loss when a closure is given).
         """
+        if self._overlap_with_ddp:
+            logger.warning(
+                "`step()` should not be included in the training loop when `overlap_with_ddp=True`"
+            )
+            return None
         loss = self._local_step(closure=closure, **kwargs)
         self._sync_params()
         return loss
@@ -369,8 +474,21 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """
         self._check_overlap_initialized()
         sync_param_groups(self.param_groups, self.optim.param_groups)
+        if self._flat is not None:
+            # Streamed: one rank's shard at a time, straight to the CPU.
+            state = consolidate_piece_states(
+                self.optim, owned_pieces(self), to, self.process_group, self._staging_device()
+            )
+            self._flat.consolidated = state
+            self._all_state_dicts = [] if state is None else [{}]
+            return
         gathered = gather_local_state_dicts(
-            self.optim.state_dict(), to, self.process_group, self._staging_device()
+            local_state_dict(self.optim, self.param_groups[0])
+            if self._overlap_with_ddp
+            else self.optim.state_dict(),
+            to,
+            self.process_group,
+            self._staging_device(),
         )
         self._all_state_dicts = [] if gathered is None else gathered
 
@@ -387,6 +505,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 f"Please call `consolidate_state_dict(to={self.rank})` on all ranks beforehand "
                 "if you meant to save the global state."
             )
+        if self._flat is not None and self._flat.consolidated is not None:
+            global_state = super().state_dict()
+            global_state["state"] = dict(
+                sorted({**global_state["state"], **self._flat.consolidated}.items())
+            )
+            return global_state
         rank_param_groups = [
             [group["params"] for group in groups] for groups in self._partition_parameters()
         ]
@@ -447,10 +571,76 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "loaded state dict contains a parameter group that doesn't match the size of "
                 "optimizer's group"
             )
+        if self._flat is not None:
+            load_global_state(self.optim, owned_pieces(self), state_dict["state"])
+            super().load_state_dict({**state_dict, "state": {}})
+            sync_param_groups(saved_groups, self.param_groups)
+            sync_param_groups(self.param_groups, self.optim.param_groups)
+            return
         local, kept = split_global_state(
             state_dict["state"], self._index_to_param, self._param_to_rank, self.rank
         )
-        self.optim.load_state_dict(self._local_state_dict(local, saved_groups))
+        if self._overlap_with_ddp:
+            load_local_state(self.optim, local)  # functional optimizers have no load_state_dict
+        else:
+            self.optim.load_state_dict(self._local_state_dict(local, saved_groups))
         super().load_state_dict({**state_dict, "state": kept})
         sync_param_groups(saved_groups, self.param_groups)
         sync_param_groups(self.param_groups, self.optim.param_groups)
+
+    # -- extensions: sharded clipping and sharded checkpoints ------------------------------------
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the gradients by their global norm, computed from the shards in one all-reduce.
+
+        Call on all ranks before :meth:`step`. Equals ``torch.nn.utils.clip_grad_norm_`` over
+        every parameter (up to rounding); only the gradients this rank's optimizer reads are
+        scaled, so the parameters after the step are those of a fully clipped run.
+
+        Args:
+            max_norm: the largest allowed norm.
+            norm_type: the p of the p-norm (``inf`` for the max norm).
+            error_if_nonfinite: raise if the total norm is nan or inf.
+
+        Returns:
+            The total norm before clipping (0-d tensor).
+        """
+        return clip_grad_norm(self, max_norm, norm_type, error_if_nonfinite)
+
+    def save_sharded(self, root: str, extra: dict[str, Any] | None = None) -> str:
+        """Write this rank's optimizer shard with torch.distributed.checkpoint (all ranks).
+
+        No state is gathered: every rank writes its own file in parallel, then rank 0 switches
+        ``<root>/LATEST`` to the new folder (a crash before that keeps the previous checkpoint).
+        Any world size and either partition reloads it (:meth:`load_sharded`), and so does a
+        plain optimizer (:func:`dist_runtime.sharded_checkpoint.load_plain_optimizer`).
+
+        Args:
+            root: the checkpoint root, shared by all ranks.
+            extra: replicated values saved alongside (e.g. the model's ``state_dict()``).
+
+        Returns:
+            The committed checkpoint folder.
+        """
+        sync_param_groups(self.param_groups, self.optim.param_groups)
+        return save_optimizer_shards(
+            root,
+            self.optim,
+            owned_pieces(self),
+            self._all_params,
+            self.param_groups,
+            self.process_group,
+            extra,
+        )
+
+    def load_sharded(self, root: str, extra: dict[str, Any] | None = None) -> None:
+        """Load the checkpoint ``<root>/LATEST`` (or a folder) written by :meth:`save_sharded`.
+
+        Args:
+            root: the checkpoint root or folder.
+            extra: names to read back into (tensors are copied in place).
+        """
+        load_optimizer_shards(root, self.optim, owned_pieces(self), self.process_group, extra)
+        sync_param_groups(self.optim.param_groups, self.param_groups)

@@ -42,6 +42,7 @@ from compat_api._zero.layout import sync_param_groups
 from dist_runtime.buckets import flatten_into_bucket
 from dist_runtime.param_sync import Waitable
 from dist_runtime.partition import argmin_rank
+from dist_runtime.state_consolidation import copy_to_device
 
 __all__ = [
     "BucketSlice",
@@ -53,6 +54,7 @@ __all__ = [
     "bucket_step",
     "functional_constructor",
     "init_overlap",
+    "load_local_state",
     "local_state_dict",
     "local_step",
     "plan_bucket_assignments",
@@ -357,6 +359,24 @@ def local_state_dict(optim: Any, group: dict[str, Any]) -> dict[str, Any]:
     state = {i: dict(optim.state[p]) for i, p in enumerate(params) if p in optim.state}
     hyper = {k: v for k, v in group.items() if k != "params"}
     return {"state": state, "param_groups": [{**hyper, "params": list(range(len(params)))}]}
+
+
+def load_local_state(optim: Any, local: dict[torch.Tensor, Any]) -> None:
+    """Load this rank's share of a global state into a functional optimizer.
+
+    (Functional optimizers have no ``load_state_dict``; the state is keyed by parameter.)
+
+    Tensors go to their parameter's device, except 0-d ones (such as Adam's ``"step"``), which
+    stay on the CPU as torch puts them; entries that are not dicts (blanks) are skipped.
+    """
+    for param, value in local.items():
+        if not isinstance(value, dict):
+            continue
+        moved = copy_to_device(value, param.device)
+        for name, item in moved.items():
+            if isinstance(item, torch.Tensor) and item.dim() == 0:
+                moved[name] = item.cpu()
+        optim.state[param] = moved
 
 
 # -- set-up ----------------------------------------------------------------------------------------
