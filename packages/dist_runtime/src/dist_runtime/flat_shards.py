@@ -41,6 +41,7 @@ __all__ = [
     "FlatBucket",
     "FlatShards",
     "check_elementwise_optimizer",
+    "clip_grads_by_global_norm",
 ]
 
 #: torch.optim classes whose update of an element reads only that element's grad and state.
@@ -281,57 +282,14 @@ class FlatShards:
     ) -> torch.Tensor:
         """Clip the pieces' gradients by the global norm over all shards, in one all-reduce.
 
-        Equals ``torch.nn.utils.clip_grad_norm_`` over the full gradients (up to rounding: the
-        partial norms are summed in float64 across ranks). Only the pieces' gradients (what the
-        local optimizer reads) are scaled.
-
-        Args:
-            max_norm: the largest allowed norm.
-            norm_type: the p of the p-norm (``inf`` for the max norm).
-            error_if_nonfinite: raise if the total norm is nan or inf.
-
-        Returns:
-            The total norm of the gradients (before clipping), as a 0-d tensor.
-
-        Raises:
-            RuntimeError: if ``error_if_nonfinite`` and the norm is not finite (torch's message).
+        See :func:`clip_grads_by_global_norm`; only the pieces' gradients (what the local
+        optimizer reads) are scaled.
         """
-        norm_type = float(norm_type)
         grads = [t.grad for t in self.pieces if t.grad is not None]
         device = self.buckets[0].flat.device if self.buckets else torch.device("cpu")
-        dtype = grads[0].dtype if grads else torch.float32
-        if math.isinf(norm_type):
-            local = torch.stack([g.abs().max() for g in grads if g.numel()]) if grads else None
-            if norm_type > 0:
-                part = local.max() if local is not None and local.numel() else torch.tensor(0.0)
-            else:
-                part = (
-                    local.min() if local is not None and local.numel() else torch.tensor(math.inf)
-                )
-            part = part.to(device=device, dtype=torch.float64)
-            op = dist.ReduceOp.MAX if norm_type > 0 else dist.ReduceOp.MIN
-            if self.world_size > 1:
-                dist.all_reduce(part, op=op, group=self.process_group)
-            total = part
-        else:
-            part = torch.zeros((), dtype=torch.float64, device=device)
-            for g in grads:
-                norm = torch.linalg.vector_norm(g, norm_type).to(torch.float64)
-                part += norm if norm_type == 0 else norm**norm_type
-            if self.world_size > 1:
-                dist.all_reduce(part, group=self.process_group)
-            total = part if norm_type == 0 else part ** (1.0 / norm_type)
-        total = total.to(dtype)
-        if error_if_nonfinite and (total.isnan() or total.isinf()):
-            raise RuntimeError(
-                f"The total norm of order {norm_type} for gradients from `parameters` is "
-                "non-finite, so it cannot be clipped. To disable this error and scale the "
-                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
-            )
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
-        return total
+        return clip_grads_by_global_norm(
+            grads, max_norm, norm_type, error_if_nonfinite, self.process_group, device
+        )
 
     # -- parameters ------------------------------------------------------------------------------
 
@@ -351,3 +309,73 @@ class FlatShards:
                     self.collectives["all_gather"] = "all_gather_list"
             chunks = list(bucket.flat.chunk(self.world_size))
             dist.all_gather(chunks, mine.clone(), group=self.process_group)
+
+
+def clip_grads_by_global_norm(
+    grads: Sequence[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    process_group: ProcessGroup | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Clip disjoint gradient shards by the norm of all of them together, in one all-reduce.
+
+    Each rank passes the gradients (or gradient pieces) it owns; the result equals
+    ``torch.nn.utils.clip_grad_norm_`` over the full gradients up to rounding (the partial
+    norms are combined in float64).
+
+    Args:
+        grads: this rank's gradients, scaled in place.
+        max_norm: the largest allowed norm.
+        norm_type: the p of the p-norm (``inf`` for the max norm).
+        error_if_nonfinite: raise if the total norm is nan or inf.
+        process_group: the group (None for WORLD).
+        device: where the partial norm travels (the gradients' device; CPU by default).
+
+    Returns:
+        The total norm before clipping, a 0-d tensor in the gradients' dtype.
+
+    Raises:
+        RuntimeError: if ``error_if_nonfinite`` and the norm is not finite (torch's message).
+    """
+    group = resolve_group(process_group)
+    world_size = group_size(group)
+    norm_type = float(norm_type)
+    device = device or (grads[0].device if grads else torch.device("cpu"))
+    dtype = grads[0].dtype if grads else torch.float32
+    nonempty = [g for g in grads if g.numel()]
+    if math.isinf(norm_type):
+        maxima = [g.detach().abs().max().to(device, torch.float64) for g in nonempty]
+        if norm_type > 0:
+            part = torch.stack(maxima).max() if maxima else torch.zeros((), dtype=torch.float64)
+            op = dist.ReduceOp.MAX
+        else:
+            minima = [g.detach().abs().min().to(device, torch.float64) for g in nonempty]
+            part = (
+                torch.stack(minima).min() if minima else torch.tensor(math.inf, dtype=torch.float64)
+            )
+            op = dist.ReduceOp.MIN
+        part = part.to(device)
+        if world_size > 1:
+            dist.all_reduce(part, op=op, group=group)
+        total = part
+    else:
+        part = torch.zeros((), dtype=torch.float64, device=device)
+        for g in nonempty:
+            norm = torch.linalg.vector_norm(g.detach(), norm_type).to(device, torch.float64)
+            part += norm if norm_type == 0 else norm**norm_type
+        if world_size > 1:
+            dist.all_reduce(part, group=group)
+        total = part if norm_type == 0 else part ** (1.0 / norm_type)
+    total = total.to(dtype)
+    if error_if_nonfinite and bool(total.isnan() or total.isinf()):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is "
+            "non-finite, so it cannot be clipped. To disable this error and scale the "
+            "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if grads:
+        torch._foreach_mul_(list(grads), coef.to(grads[0].device))
+    return total
