@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
+from compat_api._zero.flat import FlatPartition, clip_grad_norm, owned_pieces, pop_partition
 from compat_api._zero.join import ZeroJoinHook
 from compat_api._zero.layout import ShardLayout, sync_param_groups
 from compat_api._zero.overlap import DDPBucketAssignment as _DDPBucketAssignment
@@ -48,12 +49,14 @@ from dist_runtime.buckets import build_rank_buckets
 from dist_runtime.param_sync import ShardBroadcaster, Waitable, broadcast_buckets
 from dist_runtime.partition import argmin_rank
 from dist_runtime.process_group import group_rank, group_size, resolve_group
+from dist_runtime.sharded_checkpoint import load_optimizer_shards, save_optimizer_shards
 from dist_runtime.state_consolidation import (
     copy_to_device,
     gather_local_state_dicts,
     merge_local_state_dicts,
     split_global_state,
 )
+from dist_runtime.streaming_consolidation import consolidate_piece_states, load_global_state
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -130,6 +133,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     ) -> None:
         params, self._all_params = flatten_params(params)
         check_same_dense_type(self._all_params)
+        # Our extension, taken out of the defaults so that the signature stays torch's.
+        self.partition = pop_partition(defaults, optimizer_class, overlap_with_ddp)
         if overlap_with_ddp:
             constructor = functional_constructor(optimizer_class)
         else:
@@ -153,6 +158,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._optim_defaults = defaults
         self._optim_constructor = constructor
         self._broadcaster: ShardBroadcaster | None = None
+        self._flat: FlatPartition | None = (
+            FlatPartition(self._all_params, group) if self.partition == "flat" else None
+        )
         if overlap_with_ddp:
             # The local functional optimizer waits for DDP's final buckets (the DDP ZeRO hooks
             # call `_init_zero_for_overlap`).
@@ -276,7 +284,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _init_local_optimizer(self) -> None:
         """Build ``self.optim`` over this rank's share of every param group."""
-        rank_groups = self._partition_parameters()[self.rank]
+        if self._flat is not None:
+            rank_groups = self._flat.local_param_groups(self.param_groups)
+        else:
+            rank_groups = self._partition_parameters()[self.rank]
         # A list of groups bypasses the local optimizer's empty-parameter-list check.
         optim = self._optim_constructor(rank_groups, **self._optim_defaults)
         self.optim: Optimizer = check_local_optimizer(optim, self._optim_constructor)
@@ -286,7 +297,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _build_param_buckets(self) -> None:
         """(Re)build the flat (device, rank) buckets when ``parameters_as_bucket_view=True``."""
-        if self.parameters_as_bucket_view and not self._overlap_with_ddp:
+        if self.parameters_as_bucket_view and not self._overlap_with_ddp and self._flat is None:
             self._buckets = build_rank_buckets(self._device_to_params_per_rank)
 
     def _shard_broadcaster(self) -> ShardBroadcaster:
@@ -308,7 +319,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _sync_params(self) -> None:
         """Broadcast every shard from its owner to all ranks and wait."""
-        if self.parameters_as_bucket_view:
+        if self._flat is not None:
+            self._flat.shards.all_gather_params()
+        elif self.parameters_as_bucket_view:
             for handle in broadcast_buckets(self._buckets, self.process_group):
                 handle.wait()
         else:
@@ -340,6 +353,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if not self.initialized:
             super().add_param_group(param_group)
             return
+        if self._flat is not None:
+            raise NotImplementedError(
+                "partition='flat' lays out the parameters once, at construction: pass every "
+                "param group to the constructor"
+            )
         new_params = check_param_group(param_group, self._all_params[0])
         super().add_param_group(param_group)
         self._all_params.extend(new_params)
@@ -383,6 +401,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             raise AssertionError(
                 "Specifying `gradients` should not be used when `overlap_with_ddp=False`"
             )
+        if self._flat is not None:
+            self._flat.shards.attach_local_grads()
         if closure is None:
             loss = self.optim.step(**kwargs)
         else:
@@ -454,6 +474,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """
         self._check_overlap_initialized()
         sync_param_groups(self.param_groups, self.optim.param_groups)
+        if self._flat is not None:
+            # Streamed: one rank's shard at a time, straight to the CPU.
+            state = consolidate_piece_states(
+                self.optim, owned_pieces(self), to, self.process_group, self._staging_device()
+            )
+            self._flat.consolidated = state
+            self._all_state_dicts = [] if state is None else [{}]
+            return
         gathered = gather_local_state_dicts(
             local_state_dict(self.optim, self.param_groups[0])
             if self._overlap_with_ddp
@@ -477,6 +505,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 f"Please call `consolidate_state_dict(to={self.rank})` on all ranks beforehand "
                 "if you meant to save the global state."
             )
+        if self._flat is not None and self._flat.consolidated is not None:
+            global_state = super().state_dict()
+            global_state["state"] = dict(
+                sorted({**global_state["state"], **self._flat.consolidated}.items())
+            )
+            return global_state
         rank_param_groups = [
             [group["params"] for group in groups] for groups in self._partition_parameters()
         ]
@@ -537,6 +571,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "loaded state dict contains a parameter group that doesn't match the size of "
                 "optimizer's group"
             )
+        if self._flat is not None:
+            load_global_state(self.optim, owned_pieces(self), state_dict["state"])
+            super().load_state_dict({**state_dict, "state": {}})
+            sync_param_groups(saved_groups, self.param_groups)
+            sync_param_groups(self.param_groups, self.optim.param_groups)
+            return
         local, kept = split_global_state(
             state_dict["state"], self._index_to_param, self._param_to_rank, self.rank
         )
@@ -547,3 +587,60 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         super().load_state_dict({**state_dict, "state": kept})
         sync_param_groups(saved_groups, self.param_groups)
         sync_param_groups(self.param_groups, self.optim.param_groups)
+
+    # -- extensions: sharded clipping and sharded checkpoints ------------------------------------
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the gradients by their global norm, computed from the shards in one all-reduce.
+
+        Call on all ranks before :meth:`step`. Equals ``torch.nn.utils.clip_grad_norm_`` over
+        every parameter (up to rounding); only the gradients this rank's optimizer reads are
+        scaled, so the parameters after the step are those of a fully clipped run.
+
+        Args:
+            max_norm: the largest allowed norm.
+            norm_type: the p of the p-norm (``inf`` for the max norm).
+            error_if_nonfinite: raise if the total norm is nan or inf.
+
+        Returns:
+            The total norm before clipping (0-d tensor).
+        """
+        return clip_grad_norm(self, max_norm, norm_type, error_if_nonfinite)
+
+    def save_sharded(self, root: str, extra: dict[str, Any] | None = None) -> str:
+        """Write this rank's optimizer shard with torch.distributed.checkpoint (all ranks).
+
+        No state is gathered: every rank writes its own file in parallel, then rank 0 switches
+        ``<root>/LATEST`` to the new folder (a crash before that keeps the previous checkpoint).
+        Any world size and either partition reloads it (:meth:`load_sharded`), and so does a
+        plain optimizer (:func:`dist_runtime.sharded_checkpoint.load_plain_optimizer`).
+
+        Args:
+            root: the checkpoint root, shared by all ranks.
+            extra: replicated values saved alongside (e.g. the model's ``state_dict()``).
+
+        Returns:
+            The committed checkpoint folder.
+        """
+        sync_param_groups(self.param_groups, self.optim.param_groups)
+        return save_optimizer_shards(
+            root,
+            self.optim,
+            owned_pieces(self),
+            self._all_params,
+            self.param_groups,
+            self.process_group,
+            extra,
+        )
+
+    def load_sharded(self, root: str, extra: dict[str, Any] | None = None) -> None:
+        """Load the checkpoint ``<root>/LATEST`` (or a folder) written by :meth:`save_sharded`.
+
+        Args:
+            root: the checkpoint root or folder.
+            extra: names to read back into (tensors are copied in place).
+        """
+        load_optimizer_shards(root, self.optim, owned_pieces(self), self.process_group, extra)
+        sync_param_groups(self.optim.param_groups, self.param_groups)
