@@ -9,6 +9,7 @@ always build it from the same seed so every run starts from the same weights.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -319,6 +320,16 @@ def init_process_group_from_env(timeout_s: float) -> tuple[int, int]:
     """
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
+
+
+def destroy_process_group() -> None:
+    """Leave the process group after collecting garbage.
+
+    Objects in reference cycles (an optimizer holding work handles or the group) would
+    otherwise be freed during interpreter shutdown, after the group is gone.
+    """
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def setup_worker() -> None:

@@ -24,6 +24,7 @@ from _common import (
     TrainConfig,
     add_train_args,
     ddp_stepper,
+    destroy_process_group,
     evaluate,
     init_process_group_from_env,
     load_digits_split,
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> list[RunMetrics]:
         runs = run_post_local_sgd(cfg, warmup, args.period)
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
     if rank == 0:
         print_summary(runs)
         write_metrics(args.metrics, PHASE, runs)

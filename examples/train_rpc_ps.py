@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import threading
 from typing import Any
 
 import torch
@@ -62,6 +63,27 @@ def _body_eval(body: rpc.RRef[nn.Module], x: Tensor) -> Tensor:
     return body.local_value()(x)  # type: ignore[no-any-return]
 
 
+_TURNS_GUARD = threading.Lock()
+_TURNS: dict[int, threading.Lock] = {}
+
+
+def _turn_lock(body: rpc.RRef[nn.Module]) -> threading.Lock:
+    """On the parameter server: the lock that gives one trainer at a time a step on ``body``."""
+    with _TURNS_GUARD:
+        return _TURNS.setdefault(id(body.local_value()), threading.Lock())
+
+
+def _take_turn(body: rpc.RRef[nn.Module], timeout_s: float) -> None:
+    """On the parameter server: wait until no other trainer is stepping ``body``."""
+    if not _turn_lock(body).acquire(timeout=timeout_s):
+        raise TimeoutError(f"no turn on the parameter server's body within {timeout_s} s")
+
+
+def _end_turn(body: rpc.RRef[nn.Module]) -> None:
+    """On the parameter server: let the next trainer step ``body``."""
+    _turn_lock(body).release()
+
+
 def _param_rrefs(module: rpc.RRef[nn.Module]) -> list[rpc.RRef[Tensor]]:
     """On the owner: an RRef per parameter of ``module``."""
     return [rpc.RRef(p) for p in module.local_value().parameters()]
@@ -82,14 +104,26 @@ class _RemoteBody(nn.Module):
         )
 
 
-def _rpc_stepper(model: nn.Module, optimizer: Any) -> Stepper:
-    """Return a step function: forward through the remote body, distributed backward, step."""
+def _rpc_stepper(model: nn.Module, optimizer: Any, shared: bool, timeout_s: float) -> Stepper:
+    """Return a step function: forward through the remote body, distributed backward, step.
+
+    With several trainers (``shared``) each step is one turn on the server's body: another
+    trainer's in-place update in the middle of this step's backward would change tensors that
+    backward still needs (a synchronous parameter server; the turn costs two small RPCs).
+    """
+    body: rpc.RRef[nn.Module] = model[0].body
 
     def step(xb: Tensor, yb: Tensor) -> Tensor:
-        with dist_autograd.context() as context_id:
-            loss = cross_entropy(model(xb), yb)
-            dist_autograd.backward(context_id, [loss])
-            optimizer.step(context_id)
+        if shared:
+            rpc.rpc_sync(body.owner(), _take_turn, args=(body, timeout_s), timeout=timeout_s * 2)
+        try:
+            with dist_autograd.context() as context_id:
+                loss = cross_entropy(model(xb), yb)
+                dist_autograd.backward(context_id, [loss])
+                optimizer.step(context_id)
+        finally:
+            if shared:
+                rpc.rpc_sync(body.owner(), _end_turn, args=(body,), timeout=timeout_s)
         return loss.detach()
 
     return step
@@ -137,7 +171,10 @@ def run_trainer(
         samples_per_step,
         enabled=index == 0,
     )
-    steppers = [_rpc_stepper(model, opt) for model, opt in zip(models, optimizers)]
+    steppers = [
+        _rpc_stepper(model, opt, n_trainers > 1, cfg.timeout_s)
+        for model, opt in zip(models, optimizers)
+    ]
     history = train_interleaved(steppers, data.x_train, data.y_train, batches, progress)
     results = []
     for side, model, (losses, times), (server, head_bytes) in zip(
