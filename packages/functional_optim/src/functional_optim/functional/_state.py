@@ -24,12 +24,18 @@ API (stable):
     Raises torch's ``ValueError`` when the two lists differ in length.
 ``check_not_empty(params, allow_empty)``
     Raises torch's ``ValueError("optimizer got an empty parameter list")``.
+``make_param_group(params, allow_empty) -> Dict[str, List[Tensor]]``
+    ``{"params": params}`` after :func:`check_not_empty`.
+``pick_impl(params, foreach, fused, has_fused) -> str``
+    The kernel path, resolved once at construction.
 """
 
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from functional_optim.kernels._dispatch import resolve_impl
 
 
 def step_dtype(fused: bool) -> torch.dtype:
@@ -145,3 +151,23 @@ def check_not_empty(params: List[Tensor], allow_empty: bool) -> None:
     """Raise torch's ``ValueError`` for an empty param list unless ``allow_empty``."""
     if len(params) == 0 and not allow_empty:
         raise ValueError("optimizer got an empty parameter list")
+
+
+def make_param_group(params: List[Tensor], allow_empty: bool) -> Dict[str, List[Tensor]]:
+    """Return the single param group ``{"params": params}``.
+
+    Raises:
+        ValueError: if ``params`` is empty and not ``allow_empty`` (torch's message).
+    """
+    check_not_empty(params, allow_empty)
+    return {"params": params}
+
+
+def pick_impl(params: List[Tensor], foreach: bool, fused: bool, has_fused: bool) -> str:
+    """Resolve the kernel path once: explicit ``fused``/``foreach`` flags win (fused first, as
+    in torch's functional API), else the fastest for the device (fused on CPU)."""
+    if fused:
+        return resolve_impl("fused", params, has_fused)
+    if foreach:
+        return "foreach"
+    return resolve_impl("auto", params, has_fused)

@@ -6,9 +6,8 @@ import torch
 from torch import Tensor
 
 from functional_optim.functional._scripting import prepare_class
-from functional_optim.functional._state import check_lengths, check_not_empty, gather
+from functional_optim.functional._state import check_lengths, gather, make_param_group, pick_impl
 from functional_optim.kernels import adadelta
-from functional_optim.kernels._dispatch import resolve_impl
 
 
 class FunctionalAdadelta:
@@ -55,11 +54,10 @@ class FunctionalAdadelta:
         }
         self.foreach = foreach
         self.maximize = maximize
-        check_not_empty(params, _allow_empty_param_list)
-        self.param_group: Dict[str, List[Tensor]] = {"params": params}
+        self.param_group = make_param_group(params, _allow_empty_param_list)
         self.state: Dict[Tensor, Dict[str, Tensor]] = {}
         # Resolved once: the params are fixed, and the loop on CPU / foreach elsewhere is fastest.
-        self._impl = "foreach" if foreach else resolve_impl("auto", params, False)
+        self._impl = pick_impl(params, foreach, False, False)
 
     @staticmethod
     def __prepare_scriptable__() -> type:

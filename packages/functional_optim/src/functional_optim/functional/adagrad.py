@@ -8,9 +8,9 @@ from torch import Tensor
 from functional_optim.functional._scripting import prepare_class
 from functional_optim.functional._state import (
     check_lengths,
-    check_not_empty,
     ensure_state,
     gather,
+    make_param_group,
 )
 from functional_optim.kernels import adagrad
 
@@ -81,8 +81,7 @@ class FunctionalAdagrad:
         self.fused = fused
         self.maximize = maximize
         self.state: Dict[Tensor, Dict[str, Tensor]] = {}
-        check_not_empty(params, _allow_empty_param_list)
-        self.param_group: Dict[str, List[Tensor]] = {"params": params}
+        self.param_group = make_param_group(params, _allow_empty_param_list)
         self._impl = "fused" if fused else ("foreach" if foreach else "auto")
         # "auto" may pick the fused kernel, which wants float32 steps on the params' device.
         self._fused_steps = fused or not foreach

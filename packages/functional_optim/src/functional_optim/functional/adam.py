@@ -1,9 +1,10 @@
 """FunctionalAdam: a TorchScript-compilable Adam that takes gradients explicitly.
 
 Drop-in for ``torch.distributed.optim._FunctionalAdam`` (same constructor, attributes, state
-keys and messages) without its deprecation warning. ``check_adam_args`` and ``adam_update``
-are shared with :class:`functional_optim.functional.adamw.FunctionalAdamW` (TorchScript
-classes cannot inherit).
+keys and messages) without its deprecation warning. The module-level helpers
+(``adam_defaults``, ``adam_step``, ``adam_step_param``) are shared with
+:class:`functional_optim.functional.adamw.FunctionalAdamW`, which is Adam with decoupled weight
+decay, and (``adam_defaults``) with ``FunctionalAdamax``: TorchScript classes cannot inherit.
 """
 
 from typing import Dict, List, Optional, Tuple
@@ -14,11 +15,11 @@ from torch import Tensor
 from functional_optim.functional._scripting import prepare_class
 from functional_optim.functional._state import (
     check_lengths,
-    check_not_empty,
     ensure_state,
     gather,
+    make_param_group,
+    pick_impl,
 )
-from functional_optim.kernels._dispatch import resolve_impl
 from functional_optim.kernels.adam import adam_impl
 
 
@@ -36,14 +37,18 @@ def check_adam_args(lr: float, betas: Tuple[float, float], eps: float, weight_de
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
-def pick_impl(params: List[Tensor], foreach: bool, fused: bool, has_fused: bool) -> str:
-    """Resolve the kernel path once: explicit ``fused``/``foreach`` flags win (fused first, as
-    in torch's functional API), else the fastest for the device (fused on CPU)."""
-    if fused:
-        return resolve_impl("fused", params, has_fused)
-    if foreach:
-        return "foreach"
-    return resolve_impl("auto", params, has_fused)
+def adam_defaults(
+    lr: float, betas: Tuple[float, float], eps: float, weight_decay: float
+) -> Dict[str, float]:
+    """Validate (see :func:`check_adam_args`) and return the ``defaults`` of Adam/AdamW/Adamax."""
+    check_adam_args(lr, betas, eps, weight_decay)
+    return {
+        "lr": lr,
+        "eps": eps,
+        "beta1": betas[0],
+        "beta2": betas[1],
+        "weight_decay": weight_decay,
+    }
 
 
 def adam_keys(amsgrad: bool) -> List[str]:
@@ -90,6 +95,39 @@ def adam_update(
         )
 
 
+def adam_step_param(
+    state: Dict[Tensor, Dict[str, Tensor]],
+    param: Tensor,
+    grad: Optional[Tensor],
+    defaults: Dict[str, float],
+    amsgrad: bool,
+    maximize: bool,
+    decoupled: bool,
+    impl: str,
+) -> None:
+    """``step_param`` of Adam/AdamW: the state is created even if ``grad`` is None (torch)."""
+    if grad is None:
+        keys = adam_keys(amsgrad)
+        ensure_state(state, param, keys, [0.0 for _ in keys], True, impl == "fused")
+    gradients: List[Optional[Tensor]] = [grad]
+    adam_update(state, [param], gradients, defaults, amsgrad, maximize, decoupled, impl)
+
+
+def adam_step(
+    state: Dict[Tensor, Dict[str, Tensor]],
+    params: List[Tensor],
+    gradients: List[Optional[Tensor]],
+    defaults: Dict[str, float],
+    amsgrad: bool,
+    maximize: bool,
+    decoupled: bool,
+    impl: str,
+) -> None:
+    """``step`` of Adam/AdamW: check the lengths, then update the params with a gradient."""
+    check_lengths(params, gradients)
+    adam_update(state, params, gradients, defaults, amsgrad, maximize, decoupled, impl)
+
+
 class FunctionalAdam:
     """Adam over explicit gradients, like ``torch.distributed.optim._FunctionalAdam``.
 
@@ -127,21 +165,13 @@ class FunctionalAdam:
         fused: bool = False,
         _allow_empty_param_list: bool = False,
     ) -> None:
-        check_adam_args(lr, betas, eps, weight_decay)
-        self.defaults: Dict[str, float] = {
-            "lr": lr,
-            "eps": eps,
-            "beta1": betas[0],
-            "beta2": betas[1],
-            "weight_decay": weight_decay,
-        }
+        self.defaults = adam_defaults(lr, betas, eps, weight_decay)
         self.amsgrad = amsgrad
         self.maximize = maximize
         self.foreach = foreach
         self.fused = fused
         self.state: Dict[Tensor, Dict[str, Tensor]] = {}
-        check_not_empty(params, _allow_empty_param_list)
-        self.param_group: Dict[str, List[Tensor]] = {"params": params}
+        self.param_group = make_param_group(params, _allow_empty_param_list)
         self._impl = pick_impl(params, foreach, fused, True)
 
     @staticmethod
@@ -152,14 +182,10 @@ class FunctionalAdam:
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (state is created even if ``grad`` is None,
         as in torch)."""
-        if grad is None:
-            keys = adam_keys(self.amsgrad)
-            ensure_state(self.state, param, keys, [0.0 for _ in keys], True, self._impl == "fused")
-        gradients: List[Optional[Tensor]] = [grad]
-        adam_update(
+        adam_step_param(
             self.state,
-            [param],
-            gradients,
+            param,
+            grad,
             self.defaults,
             self.amsgrad,
             self.maximize,
@@ -173,11 +199,9 @@ class FunctionalAdam:
         Raises:
             ValueError: if ``gradients`` and the params differ in length.
         """
-        params = self.param_group["params"]
-        check_lengths(params, gradients)
-        adam_update(
+        adam_step(
             self.state,
-            params,
+            self.param_group["params"],
             gradients,
             self.defaults,
             self.amsgrad,

@@ -9,9 +9,9 @@ import torch
 from torch import Tensor
 
 from functional_optim.functional._scripting import prepare_class
-from functional_optim.functional._state import check_lengths, check_not_empty, gather
-from functional_optim.functional.adam import check_adam_args, pick_impl
-from functional_optim.kernels.adamax import adamax_foreach, adamax_single
+from functional_optim.functional._state import check_lengths, gather, make_param_group, pick_impl
+from functional_optim.functional.adam import adam_defaults
+from functional_optim.kernels.adamax import adamax_impl
 
 
 class FunctionalAdamax:
@@ -45,19 +45,11 @@ class FunctionalAdamax:
         maximize: bool = False,
         _allow_empty_param_list: bool = False,
     ) -> None:
-        check_adam_args(lr, betas, eps, weight_decay)
-        self.defaults: Dict[str, float] = {
-            "lr": lr,
-            "eps": eps,
-            "beta1": betas[0],
-            "beta2": betas[1],
-            "weight_decay": weight_decay,
-        }
+        self.defaults = adam_defaults(lr, betas, eps, weight_decay)
         self.foreach = foreach
         self.maximize = maximize
         self.state: Dict[Tensor, Dict[str, Tensor]] = {}
-        check_not_empty(params, _allow_empty_param_list)
-        self.param_group: Dict[str, List[Tensor]] = {"params": params}
+        self.param_group = make_param_group(params, _allow_empty_param_list)
         self._impl = pick_impl(params, foreach, False, False)
 
     @staticmethod
@@ -78,31 +70,17 @@ class FunctionalAdamax:
         )
         d = self.defaults
         with torch.no_grad():
-            if self._impl == "foreach":
-                adamax_foreach(
-                    params_with_grad,
-                    grads,
-                    buffers[0],
-                    buffers[1],
-                    steps,
-                    d["eps"],
-                    d["beta1"],
-                    d["beta2"],
-                    d["lr"],
-                    d["weight_decay"],
-                    self.maximize,
-                )
-            else:
-                adamax_single(
-                    params_with_grad,
-                    grads,
-                    buffers[0],
-                    buffers[1],
-                    steps,
-                    d["eps"],
-                    d["beta1"],
-                    d["beta2"],
-                    d["lr"],
-                    d["weight_decay"],
-                    self.maximize,
-                )
+            adamax_impl(
+                params_with_grad,
+                grads,
+                buffers[0],
+                buffers[1],
+                steps,
+                d["eps"],
+                d["beta1"],
+                d["beta2"],
+                d["lr"],
+                d["weight_decay"],
+                self.maximize,
+                self._impl,
+            )

@@ -2,7 +2,8 @@
 
 Drop-in for ``torch.distributed.optim._FunctionalAdamW`` without its deprecation warning. It
 shares validation, state set-up and the update with
-:class:`functional_optim.functional.adam.FunctionalAdam` (``decoupled=True``).
+:class:`functional_optim.functional.adam.FunctionalAdam` (``decoupled=True``), as torch 2.13
+implements AdamW as Adam with decoupled weight decay.
 """
 
 from typing import Dict, List, Optional, Tuple
@@ -10,8 +11,8 @@ from typing import Dict, List, Optional, Tuple
 from torch import Tensor
 
 from functional_optim.functional._scripting import prepare_class
-from functional_optim.functional._state import check_lengths, check_not_empty, ensure_state
-from functional_optim.functional.adam import adam_keys, adam_update, check_adam_args, pick_impl
+from functional_optim.functional._state import make_param_group, pick_impl
+from functional_optim.functional.adam import adam_defaults, adam_step, adam_step_param
 
 
 class FunctionalAdamW:
@@ -51,21 +52,13 @@ class FunctionalAdamW:
         fused: bool = False,
         _allow_empty_param_list: bool = False,
     ) -> None:
-        check_adam_args(lr, betas, eps, weight_decay)
-        self.defaults: Dict[str, float] = {
-            "lr": lr,
-            "eps": eps,
-            "beta1": betas[0],
-            "beta2": betas[1],
-            "weight_decay": weight_decay,
-        }
+        self.defaults = adam_defaults(lr, betas, eps, weight_decay)
         self.amsgrad = amsgrad
         self.maximize = maximize
         self.foreach = foreach
         self.fused = fused
         self.state: Dict[Tensor, Dict[str, Tensor]] = {}
-        check_not_empty(params, _allow_empty_param_list)
-        self.param_group: Dict[str, List[Tensor]] = {"params": params}
+        self.param_group = make_param_group(params, _allow_empty_param_list)
         self._impl = pick_impl(params, foreach, fused, True)
 
     @staticmethod
@@ -76,14 +69,10 @@ class FunctionalAdamW:
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Update one parameter with its gradient (state is created even if ``grad`` is None,
         as in torch)."""
-        if grad is None:
-            keys = adam_keys(self.amsgrad)
-            ensure_state(self.state, param, keys, [0.0 for _ in keys], True, self._impl == "fused")
-        gradients: List[Optional[Tensor]] = [grad]
-        adam_update(
+        adam_step_param(
             self.state,
-            [param],
-            gradients,
+            param,
+            grad,
             self.defaults,
             self.amsgrad,
             self.maximize,
@@ -97,11 +86,9 @@ class FunctionalAdamW:
         Raises:
             ValueError: if ``gradients`` and the params differ in length.
         """
-        params = self.param_group["params"]
-        check_lengths(params, gradients)
-        adam_update(
+        adam_step(
             self.state,
-            params,
+            self.param_group["params"],
             gradients,
             self.defaults,
             self.amsgrad,

@@ -10,16 +10,14 @@ import torch
 from torch import Tensor
 
 from functional_optim.functional._scripting import prepare_class
-from functional_optim.functional._state import check_lengths, check_not_empty, ensure_state
-from functional_optim.functional.adam import pick_impl
+from functional_optim.functional._state import (
+    check_lengths,
+    ensure_state,
+    make_param_group,
+    pick_impl,
+)
+from functional_optim.kernels._tensor_lists import has_sparse
 from functional_optim.kernels.sgd import sgd_impl
-
-
-def _any_sparse(grads: List[Tensor]) -> bool:
-    for g in grads:  # noqa: SIM110 (TorchScript has no generator expressions)
-        if g.is_sparse:
-            return True
-    return False
 
 
 class FunctionalSGD:
@@ -71,8 +69,7 @@ class FunctionalSGD:
         self.foreach = foreach
         self.fused = fused
         self.state: Dict[Tensor, Dict[str, Tensor]] = {}
-        check_not_empty(params, _allow_empty_param_list)
-        self.param_group: Dict[str, List[Tensor]] = {"params": params}
+        self.param_group = make_param_group(params, _allow_empty_param_list)
         self._impl = pick_impl(params, foreach, fused, True)
 
     @staticmethod
@@ -94,7 +91,7 @@ class FunctionalSGD:
                 states.append(entry)
                 bufs.append(entry.get("momentum_buffer"))
         impl = self._impl
-        if impl == "fused" and not self.fused and _any_sparse(grads):
+        if impl == "fused" and not self.fused and has_sparse(grads):
             impl = "single"  # auto picked fused, but it cannot take sparse gradients
         d = self.defaults
         with torch.no_grad():

@@ -9,6 +9,8 @@
     ``_view_as_real``, without mutating the caller's list).
 ``has_complex(tensors) -> bool``
     Whether any tensor is complex.
+``has_sparse(tensors) -> bool``
+    Whether any tensor is sparse.
 ``check_lengths(kernel, params, lists, names)``
     Raises ``ValueError`` unless every list in ``lists`` has one tensor per param.
 """
@@ -73,6 +75,15 @@ def has_complex(tensors: List[Tensor]) -> bool:
     # A loop, not any(<generator>): TorchScript has no generator expressions.
     for t in tensors:  # noqa: SIM110
         if torch.is_complex(t):
+            return True
+    return False
+
+
+def has_sparse(tensors: List[Tensor]) -> bool:
+    """Return whether any of ``tensors`` is sparse."""
+    # A loop, not any(<generator>): TorchScript has no generator expressions.
+    for t in tensors:  # noqa: SIM110
+        if t.is_sparse:
             return True
     return False
 

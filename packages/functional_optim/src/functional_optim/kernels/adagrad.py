@@ -19,6 +19,7 @@ from functional_optim.kernels._tensor_lists import (
     check_lengths,
     group_by_device_dtype,
     has_complex,
+    has_sparse,
     real_views,
 )
 
@@ -34,16 +35,8 @@ def _check(
     )
 
 
-def _any_sparse(tensors: List[Tensor]) -> bool:
-    # A loop, not any(<generator>): TorchScript has no generator expressions.
-    for t in tensors:  # noqa: SIM110
-        if t.is_sparse:
-            return True
-    return False
-
-
 def _check_sparse_weight_decay(grads: List[Tensor], weight_decay: float) -> None:
-    if weight_decay != 0 and _any_sparse(grads):
+    if weight_decay != 0 and has_sparse(grads):
         raise RuntimeError("weight_decay option is not compatible with sparse gradients")
 
 
@@ -136,7 +129,7 @@ def _foreach_group(
     eps: float,
     maximize: bool,
 ) -> None:
-    if _any_sparse(grads):
+    if has_sparse(grads):
         adagrad_single(
             params, grads, state_sums, state_steps, lr, weight_decay, lr_decay, eps, maximize
         )
@@ -256,7 +249,7 @@ def adagrad_fused(
     _check(params, grads, state_sums, state_steps)
     if len(params) == 0:
         return
-    if _any_sparse(grads) or has_complex(params):
+    if has_sparse(grads) or has_complex(params):
         raise RuntimeError("`fused` does not support sparse grad or complex param")
     for idx in group_by_device_dtype(params):
         g_params = take(params, idx)
@@ -301,7 +294,7 @@ def adagrad(
         RuntimeError: see :func:`adagrad_single` and :func:`adagrad_fused`.
     """
     # resolve_impl looks at the params only; fused cannot take sparse gradients.
-    path = "single" if impl == "auto" and _any_sparse(grads) else resolve_impl(impl, params, True)
+    path = "single" if impl == "auto" and has_sparse(grads) else resolve_impl(impl, params, True)
     if path == "fused":
         adagrad_fused(
             params, grads, state_sums, state_steps, lr, weight_decay, lr_decay, eps, maximize

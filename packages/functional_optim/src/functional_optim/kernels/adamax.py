@@ -114,6 +114,53 @@ def adamax_foreach(
         torch._foreach_addcdiv_(g_params, g_exp_avgs, g_exp_infs, step_size)
 
 
+def adamax_impl(
+    params: List[Tensor],
+    grads: List[Tensor],
+    exp_avgs: List[Tensor],
+    exp_infs: List[Tensor],
+    state_steps: List[Tensor],
+    eps: float,
+    beta1: float,
+    beta2: float,
+    lr: float,
+    weight_decay: float,
+    maximize: bool,
+    impl: str,
+) -> None:
+    """Run the already-resolved path ``impl`` (``single``/``foreach``), no checks.
+
+    Used by :func:`adamax` and by the functional optimizer, which resolves ``impl`` once."""
+    if impl == "foreach":
+        adamax_foreach(
+            params,
+            grads,
+            exp_avgs,
+            exp_infs,
+            state_steps,
+            eps,
+            beta1,
+            beta2,
+            lr,
+            weight_decay,
+            maximize,
+        )
+    else:
+        adamax_single(
+            params,
+            grads,
+            exp_avgs,
+            exp_infs,
+            state_steps,
+            eps,
+            beta1,
+            beta2,
+            lr,
+            weight_decay,
+            maximize,
+        )
+
+
 def adamax(
     params: List[Tensor],
     grads: List[Tensor],
@@ -150,32 +197,17 @@ def adamax(
     Raises:
         ValueError: if ``impl`` is unknown or ``fused`` (torch has no fused Adamax).
     """
-    chosen = resolve_impl(impl, params, False)
-    if chosen == "foreach":
-        adamax_foreach(
-            params,
-            grads,
-            exp_avgs,
-            exp_infs,
-            state_steps,
-            eps,
-            beta1,
-            beta2,
-            lr,
-            weight_decay,
-            maximize,
-        )
-    else:
-        adamax_single(
-            params,
-            grads,
-            exp_avgs,
-            exp_infs,
-            state_steps,
-            eps,
-            beta1,
-            beta2,
-            lr,
-            weight_decay,
-            maximize,
-        )
+    adamax_impl(
+        params,
+        grads,
+        exp_avgs,
+        exp_infs,
+        state_steps,
+        eps,
+        beta1,
+        beta2,
+        lr,
+        weight_decay,
+        maximize,
+        resolve_impl(impl, params, False),
+    )

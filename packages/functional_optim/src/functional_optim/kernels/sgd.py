@@ -11,15 +11,7 @@ import torch
 from torch import Tensor
 
 from functional_optim.kernels._dispatch import resolve_impl, take
-from functional_optim.kernels._tensor_lists import group_by_device_dtype
-
-
-def _has_sparse(grads: List[Tensor]) -> bool:
-    # TorchScript has no generator expressions, hence no any(...).
-    for g in grads:  # noqa: SIM110
-        if g.is_sparse:
-            return True
-    return False
+from functional_optim.kernels._tensor_lists import group_by_device_dtype, has_sparse
 
 
 def sgd_single(
@@ -75,7 +67,7 @@ def sgd_foreach(
     for idx in group_by_device_dtype(params):
         g_params = take(params, idx)
         g_grads = take(grads, idx)
-        sparse = _has_sparse(g_grads)
+        sparse = has_sparse(g_grads)
         if maximize:
             g_grads = list(torch._foreach_neg(g_grads))
         if weight_decay != 0:
@@ -179,7 +171,7 @@ def sgd_fused(
     """
     if len(params) == 0:
         return
-    if _has_sparse(grads):
+    if has_sparse(grads):
         raise RuntimeError("`_fused_sgd` does not support sparse gradients")
     if momentum == 0:
         _sgd_fused_call(
@@ -318,7 +310,7 @@ def sgd(
         ValueError: if ``impl`` is unknown.
         RuntimeError: if ``impl="fused"`` and the params or grads cannot use the fused kernel.
     """
-    sparse_auto = impl == "auto" and _has_sparse(grads)
+    sparse_auto = impl == "auto" and has_sparse(grads)
     chosen = "single" if sparse_auto else resolve_impl(impl, params, True)
     sgd_impl(
         params,
