@@ -1,14 +1,21 @@
-"""Shared pieces of the aliases: torch's validation, the maximize flip, flat views for kernels."""
+"""Shared pieces of the aliases: torch's checks, torch's chain layout, flat views for kernels."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from functional_optim._base import GradientTransformation, identity
-from functional_optim._transforms.scale import ScaleByScheduleState, Schedule, scale
+from functional_optim._base import GradientTransformation, chain, identity
+from functional_optim._transforms.scale import (
+    ScaleByScheduleState,
+    Schedule,
+    scale,
+    scale_by_learning_rate,
+)
+from functional_optim._transforms.weight_decay import add_decayed_weights
 from functional_optim._tree import PyTree, leaves_like, tree_flatten
 
 LearningRate = float | Tensor | Schedule
@@ -43,6 +50,27 @@ def maximize_tx(maximize: bool) -> GradientTransformation:
     return scale(-1.0) if maximize else identity()
 
 
+def torch_chain(
+    maximize: bool,
+    weight_decay: float | Tensor,
+    lr: LearningRate,
+    *scalers: GradientTransformation,
+) -> GradientTransformation:
+    """torch.optim's order as a chain: ``(maximize, add_decayed_weights(weight_decay),
+    *scalers, scale_by_learning_rate(lr))``; the fused steps index the states by position."""
+    return chain(
+        maximize_tx(maximize),
+        add_decayed_weights(weight_decay),
+        *scalers,
+        scale_by_learning_rate(lr),
+    )
+
+
+def with_step(tx: GradientTransformation, step: Any, **hyperparams: Any) -> GradientTransformation:
+    """``tx`` with its fused ``step`` set to ``partial(step, **hyperparams)``."""
+    return tx._replace(step=partial(step, **hyperparams))
+
+
 def lr_value(lr: LearningRate, schedule_state: Any) -> float:
     """The learning rate of this step as a Python float (the kernels take floats).
 
@@ -60,13 +88,16 @@ class FlatView:
     """Params, grads and state trees flattened once for a kernel call.
 
     ``idx`` are the positions with a gradient; ``take(leaves)`` keeps those, as torch's
-    ``_init_group`` skips params whose ``.grad`` is None.
+    ``_init_group`` skips params whose ``.grad`` is None; ``active_params``/``active_grads`` are
+    the params and grads at those positions.
     """
 
     def __init__(self, params: PyTree, grads: PyTree) -> None:
         self.params, self.spec = tree_flatten(params)
         self.grads = leaves_like(self.spec, grads, "grads")
         self.idx = [i for i, g in enumerate(self.grads) if g is not None]
+        self.active_params = self.take(self.params)
+        self.active_grads = self.take(self.grads)
 
     def leaves(self, tree: PyTree) -> list[Any]:
         """Leaves of a state tree mirroring the params."""
@@ -75,6 +106,10 @@ class FlatView:
     def take(self, leaves: list[Any]) -> list[Any]:
         """The entries of ``leaves`` at the positions that have a gradient."""
         return [leaves[i] for i in self.idx]
+
+    def gather(self, tree: PyTree) -> list[Any]:
+        """The leaves of a state tree at the positions that have a gradient."""
+        return self.take(self.leaves(tree))
 
     def unflatten(self, leaves: list[Any]) -> PyTree:
         """Rebuild a tree shaped like the params."""

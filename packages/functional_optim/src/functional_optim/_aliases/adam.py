@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 from torch import Tensor
@@ -16,12 +15,12 @@ from functional_optim._aliases._common import (
     check_lr,
     check_nonneg,
     lr_value,
-    maximize_tx,
+    torch_chain,
+    with_step,
 )
-from functional_optim._base import GradientTransformation, OptState, chain
+from functional_optim._base import GradientTransformation, OptState
 from functional_optim._transforms.adam import ScaleByAdamState, scale_by_adam
 from functional_optim._transforms.hyperparams import inject_hyperparams
-from functional_optim._transforms.scale import scale_by_learning_rate
 from functional_optim._transforms.weight_decay import add_decayed_weights
 from functional_optim._tree import PyTree
 
@@ -49,12 +48,12 @@ def _adam_step(
     st: ScaleByAdamState = state[_ADAM]
     kernel = kernels.adamw if decoupled else kernels.adam
     kernel(
-        view.take(view.params),
-        view.take(view.grads),
-        view.take(view.leaves(st.mu)),
-        view.take(view.leaves(st.nu)),
-        view.take(view.leaves(st.nu_max)) if amsgrad else [],
-        view.take(view.leaves(st.count)),
+        view.active_params,
+        view.active_grads,
+        view.gather(st.mu),
+        view.gather(st.nu),
+        view.gather(st.nu_max) if amsgrad else [],
+        view.gather(st.count),
         amsgrad,
         b1,
         b2,
@@ -89,14 +88,15 @@ def _build(
         if isinstance(b, Tensor) and b.numel() != 1:
             raise ValueError(f"Tensor betas[{i}] must be 1-element")
     b1, b2 = as_float(betas[0]), as_float(betas[1])
-    tx = chain(
-        maximize_tx(maximize),
-        add_decayed_weights(0.0 if decoupled else weight_decay),
+    tx = torch_chain(
+        maximize,
+        0.0 if decoupled else weight_decay,
+        lr,
         scale_by_adam(b1, b2, eps, amsgrad),
         add_decayed_weights(weight_decay if decoupled else 0.0),
-        scale_by_learning_rate(lr),
     )
-    step = partial(
+    return with_step(
+        tx,
         _adam_step,
         lr=lr,
         b1=b1,
@@ -107,7 +107,6 @@ def _build(
         maximize=maximize,
         decoupled=decoupled,
     )
-    return tx._replace(step=step)
 
 
 def _build_adam(**kwargs: Any) -> GradientTransformation:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 from torch import Tensor
 
 from functional_optim import kernels
@@ -15,14 +13,13 @@ from functional_optim._aliases._common import (
     check_lr,
     check_nonneg,
     lr_value,
-    maximize_tx,
+    torch_chain,
+    with_step,
 )
-from functional_optim._base import GradientTransformation, OptState, chain
+from functional_optim._base import GradientTransformation, OptState
 from functional_optim._transforms.adam import scale_by_adamax
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.rms import scale_by_adadelta, scale_by_adagrad
-from functional_optim._transforms.scale import scale_by_learning_rate
-from functional_optim._transforms.weight_decay import add_decayed_weights
 from functional_optim._tree import PyTree
 
 __all__ = ["adadelta", "adagrad", "adamax"]
@@ -46,10 +43,10 @@ def _adagrad_step(
     view = FlatView(params, grads)
     st = state[_SCALE]
     kernels.adagrad(
-        view.take(view.params),
-        view.take(view.grads),
-        view.take(view.leaves(st.sum_of_squares)),
-        view.take(view.leaves(st.count)),
+        view.active_params,
+        view.active_grads,
+        view.gather(st.sum_of_squares),
+        view.gather(st.count),
         lr_value(lr, state[_LR]),
         weight_decay,
         lr_decay,
@@ -73,13 +70,11 @@ def _build_adagrad(
     check_nonneg(weight_decay, "weight_decay value")
     check_nonneg(initial_accumulator_value, "initial_accumulator_value value")
     check_nonneg(eps, "epsilon value")
-    tx = chain(
-        maximize_tx(maximize),
-        add_decayed_weights(weight_decay),
-        scale_by_adagrad(lr_decay, eps, initial_accumulator_value),
-        scale_by_learning_rate(lr),
+    tx = torch_chain(
+        maximize, weight_decay, lr, scale_by_adagrad(lr_decay, eps, initial_accumulator_value)
     )
-    step = partial(
+    return with_step(
+        tx,
         _adagrad_step,
         lr=lr,
         weight_decay=weight_decay,
@@ -87,7 +82,6 @@ def _build_adagrad(
         eps=eps,
         maximize=maximize,
     )
-    return tx._replace(step=step)
 
 
 def adagrad(
@@ -140,11 +134,11 @@ def _adadelta_step(
     view = FlatView(params, grads)
     st = state[_SCALE]
     kernels.adadelta(
-        view.take(view.params),
-        view.take(view.grads),
-        view.take(view.leaves(st.nu)),
-        view.take(view.leaves(st.acc_delta)),
-        view.take(view.leaves(st.count)),
+        view.active_params,
+        view.active_grads,
+        view.gather(st.nu),
+        view.gather(st.acc_delta),
+        view.gather(st.count),
         lr_value(lr, state[_LR]),
         rho,
         eps,
@@ -163,16 +157,10 @@ def _build_adadelta(
         raise ValueError(f"Invalid rho value: {rho}")
     check_nonneg(eps, "epsilon value")
     check_nonneg(weight_decay, "weight_decay value")
-    tx = chain(
-        maximize_tx(maximize),
-        add_decayed_weights(weight_decay),
-        scale_by_adadelta(rho, eps),
-        scale_by_learning_rate(lr),
+    tx = torch_chain(maximize, weight_decay, lr, scale_by_adadelta(rho, eps))
+    return with_step(
+        tx, _adadelta_step, lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize
     )
-    step = partial(
-        _adadelta_step, lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize
-    )
-    return tx._replace(step=step)
 
 
 def adadelta(
@@ -219,11 +207,11 @@ def _adamax_step(
     view = FlatView(params, grads)
     st = state[_SCALE]
     kernels.adamax(
-        view.take(view.params),
-        view.take(view.grads),
-        view.take(view.leaves(st.mu)),
-        view.take(view.leaves(st.nu)),
-        view.take(view.leaves(st.count)),
+        view.active_params,
+        view.active_grads,
+        view.gather(st.mu),
+        view.gather(st.nu),
+        view.gather(st.count),
         eps,
         b1,
         b2,
@@ -247,13 +235,9 @@ def _build_adamax(
     check_betas(betas)
     check_nonneg(weight_decay, "weight_decay value")
     b1, b2 = as_float(betas[0]), as_float(betas[1])
-    tx = chain(
-        maximize_tx(maximize),
-        add_decayed_weights(weight_decay),
-        scale_by_adamax(b1, b2, eps),
-        scale_by_learning_rate(lr),
-    )
-    step = partial(
+    tx = torch_chain(maximize, weight_decay, lr, scale_by_adamax(b1, b2, eps))
+    return with_step(
+        tx,
         _adamax_step,
         lr=lr,
         b1=b1,
@@ -262,7 +246,6 @@ def _build_adamax(
         weight_decay=weight_decay,
         maximize=maximize,
     )
-    return tx._replace(step=step)
 
 
 def adamax(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 
 from functional_optim import kernels
@@ -15,14 +13,15 @@ from functional_optim._aliases._common import (
     check_nonneg,
     lr_value,
     maximize_tx,
+    torch_chain,
+    with_step,
 )
 from functional_optim._base import GradientTransformation, OptState, chain
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.momentum import TraceState, trace
 from functional_optim._transforms.rms import scale_by_rms
 from functional_optim._transforms.rprop import scale_by_rprop
-from functional_optim._transforms.scale import scale, scale_by_learning_rate
-from functional_optim._transforms.weight_decay import add_decayed_weights
+from functional_optim._transforms.scale import scale
 from functional_optim._tree import PyTree
 
 __all__ = ["rmsprop", "rprop"]
@@ -54,12 +53,12 @@ def _rmsprop_step(
                 p = view.params[i]
                 bufs[i] = torch.zeros_like(p, memory_format=torch.preserve_format)
     kernels.rmsprop(
-        view.take(view.params),
-        view.take(view.grads),
-        view.take(view.leaves(st.nu)),
-        view.take(view.leaves(st.mu)) if centered else [],
+        view.active_params,
+        view.active_grads,
+        view.gather(st.nu),
+        view.gather(st.mu) if centered else [],
         view.take(bufs) if momentum > 0 else [],
-        view.take(view.leaves(st.count)),
+        view.gather(st.count),
         lr_value(lr, state[_LR]),
         alpha,
         eps,
@@ -88,14 +87,11 @@ def _build_rmsprop(
     check_nonneg(momentum, "momentum value")
     check_nonneg(weight_decay, "weight_decay value")
     check_nonneg(alpha, "alpha value")
-    tx = chain(
-        maximize_tx(maximize),
-        add_decayed_weights(weight_decay),
-        scale_by_rms(alpha, eps, centered),
-        trace(momentum),
-        scale_by_learning_rate(lr),
+    tx = torch_chain(
+        maximize, weight_decay, lr, scale_by_rms(alpha, eps, centered), trace(momentum)
     )
-    step = partial(
+    return with_step(
+        tx,
         _rmsprop_step,
         lr=lr,
         alpha=alpha,
@@ -105,7 +101,6 @@ def _build_rmsprop(
         centered=centered,
         maximize=maximize,
     )
-    return tx._replace(step=step)
 
 
 def rmsprop(
@@ -162,11 +157,11 @@ def _rprop_step(
     view = FlatView(params, grads)
     st = state[_RPROP]
     kernels.rprop(
-        view.take(view.params),
-        view.take(view.grads),
-        view.take(view.leaves(st.prev)),
-        view.take(view.leaves(st.step_size)),
-        view.take(view.leaves(st.count)),
+        view.active_params,
+        view.active_grads,
+        view.gather(st.prev),
+        view.gather(st.step_size),
+        view.gather(st.count),
         float(step_sizes[0]),
         float(step_sizes[1]),
         float(etas[0]),
@@ -193,8 +188,7 @@ def _build_rprop(
         scale_by_rprop(as_float(lr), etas, step_sizes),
         scale(-1.0),
     )
-    step = partial(_rprop_step, etas=etas, step_sizes=step_sizes, maximize=maximize)
-    return tx._replace(step=step)
+    return with_step(tx, _rprop_step, etas=etas, step_sizes=step_sizes, maximize=maximize)
 
 
 def rprop(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 from torch import Tensor
 
 from functional_optim import kernels
@@ -13,13 +11,12 @@ from functional_optim._aliases._common import (
     check_lr,
     check_nonneg,
     lr_value,
-    maximize_tx,
+    torch_chain,
+    with_step,
 )
-from functional_optim._base import GradientTransformation, OptState, chain
+from functional_optim._base import GradientTransformation, OptState
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.momentum import TraceState, trace
-from functional_optim._transforms.scale import scale_by_learning_rate
-from functional_optim._transforms.weight_decay import add_decayed_weights
 from functional_optim._tree import PyTree
 
 __all__ = ["sgd"]
@@ -44,8 +41,8 @@ def _sgd_step(
     bufs = view.leaves(state[_TRACE].momentum_buffer)
     taken = view.take(bufs)
     kernels.sgd(
-        view.take(view.params),
-        view.take(view.grads),
+        view.active_params,
+        view.active_grads,
         taken,
         lr_value(lr, state[_LR]),
         momentum,
@@ -76,13 +73,9 @@ def _build(
     check_nonneg(weight_decay, "weight_decay value")  # type: ignore[arg-type]
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-    tx = chain(
-        maximize_tx(maximize),
-        add_decayed_weights(weight_decay),
-        trace(momentum, dampening, nesterov),
-        scale_by_learning_rate(lr),
-    )
-    step = partial(
+    tx = torch_chain(maximize, weight_decay, lr, trace(momentum, dampening, nesterov))
+    return with_step(
+        tx,
         _sgd_step,
         lr=lr,
         momentum=momentum,
@@ -91,7 +84,6 @@ def _build(
         nesterov=nesterov,
         maximize=maximize,
     )
-    return tx._replace(step=step)
 
 
 def sgd(
