@@ -188,7 +188,8 @@ def table_rows(runs: Sequence[dict[str, Any]]) -> list[list[str]]:
 
 def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
     """The results as a markdown table."""
-    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    align = ["---" if header in ("phase", "run", "impl") else "---:" for header in HEADERS]
+    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "|".join(align) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(runs)]
     return "\n".join(lines) + "\n"
 
