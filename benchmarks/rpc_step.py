@@ -1,8 +1,8 @@
 """Benchmark: DistributedOptimizer.step over RPC, ours (compat_api) vs torch's, same run.
 
 Two TensorPipe RPC ranks on 127.0.0.1, spawned with timeouts. Rank 1 owns 50 parameters of 100k
-floats; rank 0 is the trainer. For SGD and Adam, on the TorchScript path and on the Python path
-(TorchScript disabled at construction, as torch decides the path there):
+floats; rank 0 is the trainer. For SGD (momentum 0.9) and Adam, on the TorchScript path and on
+the Python path (TorchScript disabled at construction, as torch decides the path there):
 
 1. Step latency: median wall time of ``step(context_id)`` on one context whose gradients cover
    all 50 parameters; ours and torch's alternate so that both see the same machine load.
@@ -116,17 +116,19 @@ def _loss(rrefs: list[Any]) -> torch.Tensor:
 # -- trainer side ---------------------------------------------------------------------------------
 
 
-def _make(impl: str, optim_cls: type, rrefs: list[Any], scripted: bool) -> Any:
+def _make(
+    impl: str, optim_cls: type, rrefs: list[Any], scripted: bool, kwargs: dict[str, Any]
+) -> Any:
     from torch.distributed.optim import DistributedOptimizer as TorchDistributedOptimizer
 
     from compat_api.optimizer import DistributedOptimizer
 
     cls = DistributedOptimizer if impl == "ours" else TorchDistributedOptimizer
     if scripted:
-        return cls(optim_cls, rrefs, lr=1e-3)
+        return cls(optim_cls, rrefs, **kwargs)
     torch.jit._state.disable()
     try:
-        return cls(optim_cls, rrefs, lr=1e-3)
+        return cls(optim_cls, rrefs, **kwargs)
     finally:
         torch.jit._state.enable()
 
@@ -195,14 +197,21 @@ def _run(rank: int, reps: int, conc_steps: int) -> dict[str, Any]:
 
     rrefs = [rpc.remote("worker1", _owned_param, args=(i,)) for i in range(NUM_PARAMS)]
     results: dict[str, Any] = {}
-    for name, optim_cls in (("SGD", optim.SGD), ("Adam", optim.Adam)):
+    for name, optim_cls, kwargs in (
+        ("SGD(momentum=0.9)", optim.SGD, {"lr": 1e-3, "momentum": 0.9}),
+        ("Adam", optim.Adam, {"lr": 1e-3}),
+    ):
         for scripted in (True, False):
             path = "TorchScript" if scripted else "Python"
-            opts = {impl: _make(impl, optim_cls, rrefs, scripted) for impl in ("ours", "torch")}
+            opts = {
+                impl: _make(impl, optim_cls, rrefs, scripted, kwargs) for impl in ("ours", "torch")
+            }
             latency = _latency(opts, rrefs, reps)
             throughput = {}
             for impl in ("ours", "torch"):
-                trainers = [_make(impl, optim_cls, rrefs, scripted) for _ in range(TRAINERS)]
+                trainers = [
+                    _make(impl, optim_cls, rrefs, scripted, kwargs) for _ in range(TRAINERS)
+                ]
                 throughput[impl] = _concurrent(trainers, rrefs, conc_steps)
             results[f"{name} / {path}"] = {"latency_ms": latency, "steps_per_s": throughput}
     return results
