@@ -303,10 +303,6 @@ def run_bad_input(rank: int, world_size: int) -> list[str]:
         _expect(TypeError, lambda: OurZeRO(model.parameters(), int, lr=0.1)),
         _expect(TypeError, lambda: OurZeRO(model.parameters(), 3, lr=0.1)),
         _expect(ValueError, lambda: OurZeRO(model.parameters(), _FunctionalSGD, lr=0.1)),
-        _expect(
-            NotImplementedError,
-            lambda: OurZeRO(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1),
-        ),
     ]
     # torch raises the same ValueError for a functional class.
     their = _expect(ValueError, lambda: TorchZeRO(model.parameters(), _FunctionalSGD, lr=0.1))

@@ -186,6 +186,5 @@ def test_bad_input_in_world(world2: World) -> None:
     assert messages[0] == messages[1]
     text = "\n".join(messages[0])
     assert "optimizer_class" in text
-    assert "overlap_with_ddp=True arrives with the DDP ZeRO hooks" in text
     assert "doesn't match the size of optimizer's group" in text
     assert "different number of parameter groups" in text
