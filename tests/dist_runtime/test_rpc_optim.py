@@ -343,7 +343,7 @@ def _concurrent_same_params(
     param = rpc.remote("worker1", _zeros, args=(1_000_000,))
     trainers = [_build(optim.SGD, [param], scripted, **kwargs) for _ in range(4)]
     _run_threads([(_train_steps, (opt, param, 25)) for opt in trainers])
-    value = param.to_here()
+    value = param.to_here().detach()
     return float(value.min()), float(value.max())
 
 
