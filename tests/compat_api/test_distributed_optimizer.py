@@ -358,8 +358,13 @@ def test_training_matches_local_torch_optim_and_torchs_distributed_optimizer(
         assert torch.equal(ours, local), f"eager {name} differs from local torch.optim"
         assert torch.equal(ours, torch_e), f"eager {name} differs from torch's eager path"
         # Scripted path: our functional kernels.
-        torch.testing.assert_close(scripted, local, **SCRIPTED_TOL, msg=f"scripted {name}")
-        torch.testing.assert_close(scripted, torch_s, **SCRIPTED_TOL, msg=f"scripted {name}")
+        for ref, what in ((local, "local torch.optim"), (torch_s, "torch's scripted path")):
+            torch.testing.assert_close(
+                scripted,
+                ref,
+                **SCRIPTED_TOL,
+                msg=lambda m, n=name, w=what: f"scripted {n} vs {w}: {m}",
+            )
     # Every used parameter moved; the one without gradients did not.
     moved = [not torch.equal(a, b) for a, b in zip(res["ours_scripted"], start, strict=True)]
     assert moved == [name != "unused" for name in _MODEL]
