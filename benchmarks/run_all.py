@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("step_throughput", "zero_step", "averaging", "rpc_step")
+BENCHMARKS = ("step_throughput", "zero_step", "averaging", "rpc_step")  # expected, in order
 SIZE_HEADER = re.compile(r"\b(size|params?|parameters|numel|elements|tensors)\b", re.IGNORECASE)
 RATIO_HEADER = re.compile(
     r"ratio|vs\.? torch|speed-?up|/ ?torch|\bx torch|\u00d7 ?torch", re.IGNORECASE
@@ -99,34 +99,61 @@ def our_rows(table: Table) -> list[list[str]]:
     return ours or table.rows
 
 
+def _numeric_like(cell: str) -> bool:
+    """A number, or numbers separated by slashes (``"16 / 10"``, ``"32.0 / 0.9"``)."""
+    return all(parse_number(part) is not None for part in cell.split("/"))
+
+
+def _config_columns(
+    table: Table, rows: list[list[str]], size_col: int, ratio_cols: list[int]
+) -> list[int]:
+    """Text columns that tell configurations apart at a given size (the lines of a chart).
+
+    A column whose value follows from the size (a model name, a constant) would give each line
+    a single point, so it is left out.
+    """
+    skip = {size_col, *ratio_cols}
+    columns = []
+    for col in range(len(table.headers)):
+        cells = [row[col] for row in rows]
+        if col in skip or any(_numeric_like(cell) for cell in cells if cell):
+            continue
+        values_per_size: dict[float | None, set[str]] = {}
+        for row in rows:
+            values_per_size.setdefault(parse_number(row[size_col]), set()).add(row[col])
+        if any(len(values) > 1 for values in values_per_size.values()):
+            columns.append(col)
+    return columns
+
+
 def ratio_series(table: Table) -> dict[str, list[tuple[float, float]]]:
     """``{label: [(size, ratio), ...]}`` for a table with a size column and ratio columns.
 
-    The label combines the ratio column's header with the row's text cells (for example the
-    optimizer name), so each line of the chart is one configuration across sizes.
+    Each line is one configuration across sizes, labelled by the text cells that vary at a
+    fixed size (for example the optimizer and implementation), plus the ratio column's header
+    when there are several.
     """
     size_cols = [i for i, h in enumerate(table.headers) if SIZE_HEADER.search(h)]
     ratio_cols = [i for i, h in enumerate(table.headers) if RATIO_HEADER.search(h)]
     if not size_cols or not ratio_cols:
         return {}
     size_col = size_cols[0]
+    rows = [row for row in our_rows(table) if parse_number(row[size_col]) is not None]
+    config_cols = _config_columns(table, rows, size_col, ratio_cols)
     series: dict[str, list[tuple[float, float]]] = {}
-    for row in our_rows(table):
+    for row in rows:
         size = parse_number(row[size_col])
-        if size is None:
-            continue
-        text = [
-            cell
-            for i, cell in enumerate(row)
-            if i != size_col and i not in ratio_cols and parse_number(cell) is None and cell
+        assert size is not None
+        parts = [
+            f"{table.headers[col]}={row[col]}" if row[col] in ("True", "False") else row[col]
+            for col in config_cols
         ]
         for col in ratio_cols:
             ratio = parse_number(row[col])
             if ratio is None:
                 continue
-            label = " / ".join([*text, table.headers[col]]) if len(ratio_cols) > 1 else None
-            key = label or (" / ".join(text) if text else table.headers[col])
-            series.setdefault(key, []).append((size, ratio))
+            label = [*parts, table.headers[col]] if len(ratio_cols) > 1 or not parts else parts
+            series.setdefault(" / ".join(label), []).append((size, ratio))
     return {key: sorted(points) for key, points in series.items() if len(points) > 1}
 
 
@@ -179,6 +206,18 @@ def plot_ratios(name: str, markdown: str, folder: Path) -> list[Path]:
         plt.close(fig)
         charts.append(path)
     return charts
+
+
+def discover(directory: Path) -> list[str]:
+    """The expected benchmarks, then any other module of ``directory`` that defines ``main``."""
+    found = sorted(
+        path.stem
+        for path in directory.glob("*.py")
+        if not path.stem.startswith("_")
+        and path.stem != "run_all"
+        and re.search(r"^def main\(", path.read_text(), re.MULTILINE)
+    )
+    return [*BENCHMARKS, *(name for name in found if name not in BENCHMARKS)]
 
 
 def run_benchmark(name: str, argv: list[str], folder: Path, directory: Path = HERE) -> Outcome:
@@ -290,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         "--out", default="bench-out", help="report folder (or a .md path) [bench-out]"
     )
     parser.add_argument(
-        "--only", default=",".join(BENCHMARKS), help="comma-separated benchmark names"
+        "--only", default=None, help="comma-separated benchmark names (default: all)"
     )
     parser.add_argument(
         "--benchmarks-dir", default=str(HERE), help="folder of the benchmark modules [this one]"
@@ -300,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     report = out if out.suffix == ".md" else out / "REPORT.md"
     report.parent.mkdir(parents=True, exist_ok=True)
     outcomes = []
-    for name in args.only.split(","):
+    names = args.only.split(",") if args.only else discover(Path(args.benchmarks_dir))
+    for name in names:
         print(f"== {name}", flush=True)
         outcome = run_benchmark(
             name, ["--quick"] if args.quick else [], report.parent, Path(args.benchmarks_dir)

@@ -195,6 +195,29 @@ def test_ratio_series_groups_rows_by_text_cells(run_all: ModuleType) -> None:
     assert run_all.ratio_summary(namespace["main"]()) == "ratio: 0.50-2.00 (geomean 0.93)"
 
 
+def test_ratio_series_drops_columns_that_follow_from_the_size(run_all: ModuleType) -> None:
+    markdown = """
+| model | params | bucket view | collectives torch / ours | ratio vs torch | same |
+|---|---|---|---|---|---|
+| small | 8.4M | False | 16 / 10 | 0.82 | True |
+| small | 8.4M | True | 2 / 2 | 1.11 | True |
+| large | 16.9M | False | 402 / 2 | 0.61 | True |
+| large | 16.9M | True | 2 / 2 | 1.02 | True |
+"""
+    (table,) = run_all.parse_tables(markdown)
+    assert run_all.ratio_series(table) == {
+        "bucket view=False": [(8.4e6, 0.82), (16.9e6, 0.61)],
+        "bucket view=True": [(8.4e6, 1.11), (16.9e6, 1.02)],
+    }
+
+
+def test_runner_discovers_every_benchmark_module(run_all: ModuleType, tmp_path: Path) -> None:
+    (tmp_path / "zz_extra.py").write_text(_SIZED)
+    (tmp_path / "_helper.py").write_text(_SIZED)
+    (tmp_path / "not_a_benchmark.py").write_text("X = 1\n")
+    assert run_all.discover(tmp_path) == [*run_all.BENCHMARKS, "zz_extra"]
+
+
 def test_runner_reports_missing_and_crashed_and_charts(
     run_all: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
