@@ -185,6 +185,7 @@ def plot_ratios(name: str, markdown: str, folder: Path) -> list[Path]:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib import ticker
 
         size_header = next(h for h in table.headers if SIZE_HEADER.search(h))
         fig, ax = plt.subplots(figsize=(9.0, 4.2))
@@ -194,6 +195,17 @@ def plot_ratios(name: str, markdown: str, folder: Path) -> list[Path]:
         ax.axhline(1.0, color="0.4", linewidth=0.8, linestyle="--")
         ax.set_xscale("log")
         ax.set_yscale("log")  # ratios are multiplicative: 0.5x and 2x sit symmetric around 1
+        low, high = ax.get_ylim()
+        # Label every minor tick within a decade, only the 2s and 5s over wider ranges.
+        label_digits = "123456789" if high / low < 10 else "25"
+        ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:.2g}x"))
+        ax.yaxis.set_minor_formatter(
+            ticker.FuncFormatter(
+                lambda v, _, digits=label_digits: f"{v:.2g}x" if f"{v:e}"[0] in digits else ""
+            )
+        )
+        ax.xaxis.set_major_formatter(ticker.EngFormatter())
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
         ax.set_xlabel(size_header)
         ratio_headers = sorted({h for h in table.headers if RATIO_HEADER.search(h)})
         ax.set_ylabel(f"{', '.join(ratio_headers)} (ours / torch, same run)")
