@@ -174,6 +174,22 @@ def sgd_fused(
     if has_sparse(grads):
         raise RuntimeError("`_fused_sgd` does not support sparse gradients")
     if momentum == 0:
+        if torch.jit.is_scripting():
+            # TorchScript's alias analysis drops a ``_fused_sgd_`` whose only writes go to the
+            # params of a list built inside the script (no momentum buffer keeps it alive), so
+            # scripted callers take the per-tensor path: the same update, one ``add_`` each.
+            sgd_single(
+                params,
+                grads,
+                momentum_buffers,
+                lr,
+                momentum,
+                dampening,
+                weight_decay,
+                nesterov,
+                maximize,
+            )
+            return
         _sgd_fused_call(
             params, grads, [], lr, momentum, dampening, weight_decay, nesterov, maximize, False
         )
