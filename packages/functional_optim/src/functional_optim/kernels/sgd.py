@@ -174,7 +174,7 @@ def sgd_fused(
     if has_sparse(grads):
         raise RuntimeError("`_fused_sgd` does not support sparse gradients")
     if momentum == 0:
-        if torch.jit.is_scripting():
+        if torch.jit.is_scripting():  # type: ignore[attr-defined]
             # TorchScript's alias analysis drops a ``_fused_sgd_`` whose only writes go to the
             # params of a list built inside the script (no momentum buffer keeps it alive), so
             # scripted callers take the per-tensor path: the same update, one ``add_`` each.
