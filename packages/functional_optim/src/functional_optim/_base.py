@@ -81,7 +81,8 @@ class EmptyState(NamedTuple):
     """State of a stateless transform."""
 
 
-def _init_empty(params: PyTree) -> EmptyState:
+def init_empty(params: PyTree) -> EmptyState:
+    """The ``init`` of every stateless transform."""
     del params
     return EmptyState()
 
@@ -99,7 +100,7 @@ def identity() -> GradientTransformation:
         del params, inplace
         return updates, state
 
-    return GradientTransformation(_init_empty, update)
+    return GradientTransformation(init_empty, update)
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:

@@ -7,7 +7,7 @@ same ops in the same order, hence give the same numbers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -90,6 +90,50 @@ def flat(updates: PyTree, *trees: PyTree) -> tuple[list[Any], TreeSpec, list[lis
     """
     leaves, spec = tree_flatten(updates)
     return leaves, spec, [leaves_like(spec, t, "state/params") for t in trees]
+
+
+def map_state(
+    updates: PyTree,
+    state: Any,
+    state_type: Any,
+    leaf_fn: Callable[..., tuple[Any, ...]],
+    absent: Sequence[str] = (),
+) -> tuple[PyTree, Any]:
+    """Run a transform's per-leaf maths over ``updates`` and its state, flattening once.
+
+    ``leaf_fn(u, *state_leaves) -> (out, *new_state_leaves)`` runs for every update leaf that
+    is not None, with one state leaf per field of ``state_type`` (a NamedTuple class), in field
+    order; a leaf whose update is None outputs None and keeps its state.
+
+    Args:
+        updates: the incoming updates.
+        state: the transform's state (read field by field, by name).
+        state_type: the NamedTuple class of the new state.
+        leaf_fn: the per-leaf maths.
+        absent: fields that hold no tree in this configuration (e.g. ``nu_max`` without
+            AMSGrad): ``leaf_fn`` gets None for them and they stay None.
+
+    Returns:
+        ``(new updates, state_type(...))``.
+    """
+    fields = state_type._fields
+    trees = [getattr(state, f) for f in fields if f not in absent]
+    leaves, spec, lists = flat(updates, *trees)
+    stored = iter(lists)
+    columns = [[None] * len(leaves) if f in absent else next(stored) for f in fields]
+    out: list[Any] = []
+    for i, u in enumerate(leaves):
+        if u is None:
+            out.append(None)
+            continue
+        result = leaf_fn(u, *[column[i] for column in columns])
+        out.append(result[0])
+        for column, value in zip(columns, result[1:], strict=True):
+            column[i] = value
+    new_state = state_type(
+        *[None if f in absent else spec.unflatten(c) for f, c in zip(fields, columns, strict=True)]
+    )
+    return spec.unflatten(out), new_state
 
 
 def require_params(params: PyTree, name: str) -> None:

@@ -61,33 +61,23 @@ def scale_by_adam(
         updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
     ) -> tuple[PyTree, OptState]:
         del params
-        trees = [state.count, state.mu, state.nu]
-        if amsgrad:
-            trees.append(state.nu_max)
-        leaves, spec, lists = _ops.flat(updates, *trees)
-        counts, mus, nus = lists[0], lists[1], lists[2]
-        maxes = lists[3] if amsgrad else [None] * len(leaves)
-        out: list[Tensor | None] = []
-        for i, g in enumerate(leaves):
-            if g is None:
-                out.append(None)
-                continue
-            counts[i] = count = _ops.increment(counts[i], inplace)
-            mus[i] = mu = _ops.lerp(mus[i], g, 1 - b1, inplace)
-            nus[i] = nu = _ops.addcmul(_ops.mul(nus[i], b2, inplace), g, g, 1 - b2, inplace)
+
+        def leaf(
+            g: Tensor, count: Tensor, mu: Tensor, nu: Tensor, nu_max: Tensor | None
+        ) -> tuple[Tensor | None, ...]:
+            count = _ops.increment(count, inplace)
+            mu = _ops.lerp(mu, g, 1 - b1, inplace)
+            nu = _ops.addcmul(_ops.mul(nu, b2, inplace), g, g, 1 - b2, inplace)
+            new_nu = nu
             bc1 = _ops.bias_correction(b1, count)
             bc2_sqrt = _ops.bias_correction(b2, count) ** 0.5
             if amsgrad:
-                maxes[i] = nu = _ops.maximum(maxes[i], nu, inplace)  # type: ignore[arg-type]
+                nu_max = nu = _ops.maximum(nu_max, nu, inplace)  # type: ignore[arg-type]
             denom = (nu.sqrt() / _ops.like(bc2_sqrt, nu)).add(eps)
-            out.append(mu.div(_ops.like(bc1, mu)).div(denom))
-        new_state = ScaleByAdamState(
-            spec.unflatten(counts),
-            spec.unflatten(mus),
-            spec.unflatten(nus),
-            spec.unflatten(maxes) if amsgrad else None,
-        )
-        return spec.unflatten(out), new_state
+            return mu.div(_ops.like(bc1, mu)).div(denom), count, mu, new_nu, nu_max
+
+        absent = () if amsgrad else ("nu_max",)
+        return _ops.map_state(updates, state, ScaleByAdamState, leaf, absent)
 
     return GradientTransformation(init, update)
 
@@ -117,19 +107,14 @@ def scale_by_adamax(
         updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
     ) -> tuple[PyTree, OptState]:
         del params
-        leaves, spec, (counts, mus, nus) = _ops.flat(updates, state.count, state.mu, state.nu)
-        out: list[Tensor | None] = []
-        for i, g in enumerate(leaves):
-            if g is None:
-                out.append(None)
-                continue
-            counts[i] = count = _ops.increment(counts[i], inplace)
-            mus[i] = mu = _ops.lerp(mus[i], g, 1 - b1, inplace)
-            nus[i] = nu = _ops.maximum(_ops.mul(nus[i], b2, inplace), g.abs().add(eps), inplace)
-            out.append(mu.div(_ops.like(_ops.bias_correction(b1, count), mu)).div(nu))
-        new_state = ScaleByAdamaxState(
-            spec.unflatten(counts), spec.unflatten(mus), spec.unflatten(nus)
-        )
-        return spec.unflatten(out), new_state
+
+        def leaf(g: Tensor, count: Tensor, mu: Tensor, nu: Tensor) -> tuple[Tensor, ...]:
+            count = _ops.increment(count, inplace)
+            mu = _ops.lerp(mu, g, 1 - b1, inplace)
+            nu = _ops.maximum(_ops.mul(nu, b2, inplace), g.abs().add(eps), inplace)
+            out = mu.div(_ops.like(_ops.bias_correction(b1, count), mu)).div(nu)
+            return out, count, mu, nu
+
+        return _ops.map_state(updates, state, ScaleByAdamaxState, leaf)
 
     return GradientTransformation(init, update)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from functional_optim._base import EmptyState, GradientTransformation, OptState
+from functional_optim._base import GradientTransformation, OptState, init_empty
 from functional_optim._transforms import _ops
 from functional_optim._tree import PyTree, global_norm, tree_flatten
 
@@ -29,10 +29,6 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     if max_norm < 0.0:
         raise ValueError(f"Invalid max_norm value: {max_norm}; it must be >= 0")
 
-    def init(params: PyTree) -> EmptyState:
-        del params
-        return EmptyState()
-
     def update(
         updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
     ) -> tuple[PyTree, OptState]:
@@ -48,4 +44,4 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         ]
         return spec.unflatten(out), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init_empty, update)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from torch import Tensor
+
 from functional_optim._base import GradientTransformation, OptState
 from functional_optim._transforms import _ops
 from functional_optim._tree import PyTree, tree_flatten
@@ -45,25 +47,18 @@ def trace(
         del params
         if momentum == 0:
             return updates, state
-        leaves, spec, (bufs,) = _ops.flat(updates, state.momentum_buffer)
-        out: list[object] = []
-        new_bufs: list[object] = []
-        for u, buf in zip(leaves, bufs, strict=True):
-            if u is None:
-                out.append(None)
-                new_bufs.append(buf)
-                continue
+
+        def leaf(u: Tensor, buf: Tensor | None) -> tuple[Tensor, Tensor]:
             if buf is None:
                 # torch stores a detached clone; the pure path keeps the graph for meta-gradients.
                 buf = u.detach().clone() if inplace else u.clone()
             else:
                 buf = _ops.add(_ops.mul(buf, momentum, inplace), u, inplace, alpha=1 - dampening)
-            new_bufs.append(buf)
             if nesterov:
-                out.append(_ops.add(u, buf, inplace, alpha=momentum))
-            else:
-                # In place, the update must not alias the buffer that later transforms scale.
-                out.append(u.copy_(buf) if inplace else buf)
-        return spec.unflatten(out), TraceState(spec.unflatten(new_bufs))
+                return _ops.add(u, buf, inplace, alpha=momentum), buf
+            # In place, the update must not alias the buffer that later transforms scale.
+            return (u.copy_(buf) if inplace else buf), buf
+
+        return _ops.map_state(updates, state, TraceState, leaf)
 
     return GradientTransformation(init, update)

@@ -71,26 +71,21 @@ def scale_by_rms(
         updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
     ) -> tuple[PyTree, OptState]:
         del params
-        trees = [state.count, state.nu] + ([state.mu] if centered else [])
-        leaves, spec, lists = _ops.flat(updates, *trees)
-        counts, nus = lists[0], lists[1]
-        mus = lists[2] if centered else [None] * len(leaves)
-        out: list[Tensor | None] = []
-        for i, g in enumerate(leaves):
-            if g is None:
-                out.append(None)
-                continue
-            counts[i] = _ops.increment(counts[i], inplace)
-            nus[i] = nu = _ops.addcmul(_ops.mul(nus[i], alpha, inplace), g, g, 1 - alpha, inplace)
+
+        def leaf(
+            g: Tensor, count: Tensor, nu: Tensor, mu: Tensor | None
+        ) -> tuple[Tensor | None, ...]:
+            count = _ops.increment(count, inplace)
+            nu = _ops.addcmul(_ops.mul(nu, alpha, inplace), g, g, 1 - alpha, inplace)
             if centered:
-                mus[i] = mu = _ops.lerp(mus[i], g, 1 - alpha, inplace)  # type: ignore[arg-type]
+                mu = _ops.lerp(mu, g, 1 - alpha, inplace)  # type: ignore[arg-type]
                 avg = nu.addcmul(mu, mu, value=-1).sqrt()
             else:
                 avg = nu.sqrt()
-            out.append(g.div(avg.add(eps)))
-        mu_tree = spec.unflatten(mus) if centered else None
-        new_state = ScaleByRmsState(spec.unflatten(counts), spec.unflatten(nus), mu_tree)
-        return spec.unflatten(out), new_state
+            return g.div(avg.add(eps)), count, nu, mu
+
+        absent = () if centered else ("mu",)
+        return _ops.map_state(updates, state, ScaleByRmsState, leaf, absent)
 
     return GradientTransformation(init, update)
 
@@ -120,20 +115,16 @@ def scale_by_adagrad(
         updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
     ) -> tuple[PyTree, OptState]:
         del params
-        leaves, spec, (counts, sums) = _ops.flat(updates, state.count, state.sum_of_squares)
-        out: list[Tensor | None] = []
-        for i, g in enumerate(leaves):
-            if g is None:
-                out.append(None)
-                continue
-            counts[i] = count = _ops.increment(counts[i], inplace)
-            sums[i] = s = _ops.addcmul(sums[i], g, g, 1.0, inplace)
+
+        def leaf(g: Tensor, count: Tensor, s: Tensor) -> tuple[Tensor, ...]:
+            count = _ops.increment(count, inplace)
+            s = _ops.addcmul(s, g, g, 1.0, inplace)
             u = g.div(s.sqrt().add(eps))
             if lr_decay != 0:
                 u = u.div(_ops.like(1 + (count.to(torch.float64) - 1) * lr_decay, u))
-            out.append(u)
-        new_state = ScaleByAdagradState(spec.unflatten(counts), spec.unflatten(sums))
-        return spec.unflatten(out), new_state
+            return u, count, s
+
+        return _ops.map_state(updates, state, ScaleByAdagradState, leaf)
 
     return GradientTransformation(init, update)
 
@@ -162,23 +153,15 @@ def scale_by_adadelta(rho: float = 0.9, eps: float = 1e-6) -> GradientTransforma
         updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
     ) -> tuple[PyTree, OptState]:
         del params
-        leaves, spec, (counts, nus, accs) = _ops.flat(
-            updates, state.count, state.nu, state.acc_delta
-        )
-        out: list[Tensor | None] = []
-        for i, g in enumerate(leaves):
-            if g is None:
-                out.append(None)
-                continue
-            counts[i] = _ops.increment(counts[i], inplace)
-            nus[i] = nu = _ops.addcmul(_ops.mul(nus[i], rho, inplace), g, g, 1 - rho, inplace)
+
+        def leaf(g: Tensor, count: Tensor, nu: Tensor, acc: Tensor) -> tuple[Tensor, ...]:
+            count = _ops.increment(count, inplace)
+            nu = _ops.addcmul(_ops.mul(nu, rho, inplace), g, g, 1 - rho, inplace)
             std = nu.add(eps).sqrt()
-            delta = accs[i].add(eps).sqrt().div(std).mul(g)
-            accs[i] = _ops.addcmul(_ops.mul(accs[i], rho, inplace), delta, delta, 1 - rho, inplace)
-            out.append(delta)
-        new_state = ScaleByAdadeltaState(
-            spec.unflatten(counts), spec.unflatten(nus), spec.unflatten(accs)
-        )
-        return spec.unflatten(out), new_state
+            delta = acc.add(eps).sqrt().div(std).mul(g)
+            acc = _ops.addcmul(_ops.mul(acc, rho, inplace), delta, delta, 1 - rho, inplace)
+            return delta, count, nu, acc
+
+        return _ops.map_state(updates, state, ScaleByAdadeltaState, leaf)
 
     return GradientTransformation(init, update)

@@ -57,29 +57,19 @@ def scale_by_rprop(
         updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
     ) -> tuple[PyTree, OptState]:
         del params
-        leaves, spec, (counts, prevs, sizes) = _ops.flat(
-            updates, state.count, state.prev, state.step_size
-        )
-        out: list[Tensor | None] = []
-        for i, g in enumerate(leaves):
-            if g is None:
-                out.append(None)
-                continue
-            counts[i] = _ops.increment(counts[i], inplace)
-            sign = g.mul(prevs[i]).sign()
+
+        def leaf(g: Tensor, count: Tensor, prev: Tensor, size: Tensor) -> tuple[Tensor, ...]:
+            count = _ops.increment(count, inplace)
+            sign = g.mul(prev).sign()
             factor = torch.where(
                 sign > 0, etaplus, torch.where(sign < 0, etaminus, torch.where(sign == 0, 1, sign))
             )
-            size = _ops.mul(sizes[i], factor, inplace)
-            sizes[i] = size = (
-                size.clamp_(size_min, size_max) if inplace else size.clamp(size_min, size_max)
-            )
+            size = _ops.mul(size, factor, inplace)
+            size = size.clamp_(size_min, size_max) if inplace else size.clamp(size_min, size_max)
             g = torch.where(factor == etaminus, 0, g)
-            prevs[i] = prevs[i].copy_(g) if inplace else g
-            out.append(g.sign().mul(size))
-        new_state = ScaleByRpropState(
-            spec.unflatten(counts), spec.unflatten(prevs), spec.unflatten(sizes)
-        )
-        return spec.unflatten(out), new_state
+            prev = prev.copy_(g) if inplace else g
+            return g.sign().mul(size), count, prev, size
+
+        return _ops.map_state(updates, state, ScaleByRpropState, leaf)
 
     return GradientTransformation(init, update)

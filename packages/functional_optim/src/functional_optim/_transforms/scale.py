@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from functional_optim._base import EmptyState, GradientTransformation, OptState
+from functional_optim._base import GradientTransformation, OptState, init_empty
 from functional_optim._transforms import _ops
 from functional_optim._tree import PyTree, tree_flatten
 
@@ -46,17 +46,13 @@ def scale(step_size: float | Tensor) -> GradientTransformation:
         A stateless ``GradientTransformation``.
     """
 
-    def init(params: PyTree) -> EmptyState:
-        del params
-        return EmptyState()
-
     def update(
         updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
     ) -> tuple[PyTree, OptState]:
         del params
         return _scale_leaves(updates, step_size, inplace), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init_empty, update)
 
 
 def scale_by_schedule(schedule: Schedule) -> GradientTransformation:

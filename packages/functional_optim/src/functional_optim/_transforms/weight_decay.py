@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from functional_optim._base import EmptyState, GradientTransformation, OptState
+from functional_optim._base import GradientTransformation, OptState, init_empty
 from functional_optim._transforms import _ops
 from functional_optim._tree import PyTree
 
@@ -24,10 +24,6 @@ def add_decayed_weights(weight_decay: float | Tensor = 0.0) -> GradientTransform
         A stateless ``GradientTransformation`` whose ``update`` needs ``params``.
     """
 
-    def init(params: PyTree) -> EmptyState:
-        del params
-        return EmptyState()
-
     def update(
         updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
     ) -> tuple[PyTree, OptState]:
@@ -45,4 +41,4 @@ def add_decayed_weights(weight_decay: float | Tensor = 0.0) -> GradientTransform
                 out.append(_ops.add(u, p, inplace, alpha=weight_decay))
         return spec.unflatten(out), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init_empty, update)
