@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO
 
 import torch
 import torch.distributed as dist
@@ -250,7 +250,7 @@ def ddp_stepper(model: nn.Module, optimizer: Any) -> Stepper:
     def step(xb: Tensor, yb: Tensor) -> Tensor:
         optimizer.zero_grad(set_to_none=True)
         loss = cross_entropy(model(xb), yb)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         return loss.detach()
 
@@ -347,9 +347,16 @@ def setup_worker() -> None:
         warnings.filterwarnings("ignore", message=message, category=category)
     show = warnings.showwarning
 
-    def showwarning(message: Warning | str, category: type[Warning], *args: Any) -> None:
+    def showwarning(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
         if not str(message).startswith(_TORCH_FORCED_WARNING):
-            show(message, category, *args)
+            show(message, category, filename, lineno, file, line)
 
     warnings.showwarning = showwarning
 

@@ -104,14 +104,16 @@ class _RemoteBody(nn.Module):
         )
 
 
-def _rpc_stepper(model: nn.Module, optimizer: Any, shared: bool, timeout_s: float) -> Stepper:
+def _rpc_stepper(model: nn.Sequential, optimizer: Any, shared: bool, timeout_s: float) -> Stepper:
     """Return a step function: forward through the remote body, distributed backward, step.
 
     With several trainers (``shared``) each step is one turn on the server's body: another
     trainer's in-place update in the middle of this step's backward would change tensors that
     backward still needs (a synchronous parameter server; the turn costs two small RPCs).
     """
-    body: rpc.RRef[nn.Module] = model[0].body
+    remote_body = model[0]
+    assert isinstance(remote_body, _RemoteBody)
+    body = remote_body.body
 
     def step(xb: Tensor, yb: Tensor) -> Tensor:
         if shared:
@@ -119,7 +121,7 @@ def _rpc_stepper(model: nn.Module, optimizer: Any, shared: bool, timeout_s: floa
         try:
             with dist_autograd.context() as context_id:
                 loss = cross_entropy(model(xb), yb)
-                dist_autograd.backward(context_id, [loss])
+                dist_autograd.backward(context_id, [loss])  # type: ignore[attr-defined]
                 optimizer.step(context_id)
         finally:
             if shared:
@@ -253,7 +255,9 @@ def main(argv: list[str] | None = None) -> list[RunMetrics]:
     setup_worker()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=cfg.timeout_s, num_worker_threads=16)
-    rpc.init_rpc(worker_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
+    rpc.init_rpc(  # type: ignore[no-untyped-call]
+        worker_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options
+    )
     runs: list[RunMetrics] = []
     try:
         if rank == 0:
