@@ -51,33 +51,45 @@ def _steps(params: list[Tensor]) -> list[Tensor]:
 # --- per-algorithm state set-up and kernel call (torch's state keys) -----------------------------
 
 
+def _caller(
+    state_keys: tuple[str, ...], hyper_keys: tuple[str, ...], optional: tuple[str, ...] = ()
+) -> Callable[..., None]:
+    """A call ``fn(p, g, *state lists, *hyperparameters, *impl)`` in the given key order.
+
+    ``optional`` state keys may be missing from the state (an empty list is passed, as torch's
+    layout for e.g. RMSprop's ``grad_avg`` without ``centered``).
+    """
+
+    def call(
+        fn: Callable[..., None],
+        p: list[Tensor],
+        g: list[Tensor],
+        s: State,
+        h: dict[str, Any],
+        *impl: str,
+    ) -> None:
+        lists = [s.get(k, []) if k in optional else s[k] for k in state_keys]
+        fn(p, g, *lists, *[h[k] for k in hyper_keys], *impl)
+
+    return call
+
+
+_adagrad_call = _caller(("sum", "step"), ("lr", "weight_decay", "lr_decay", "eps", "maximize"))
+_adadelta_call = _caller(
+    ("square_avg", "acc_delta", "step"), ("lr", "rho", "eps", "weight_decay", "maximize")
+)
+_rmsprop_call = _caller(
+    ("square_avg", "grad_avg", "momentum_buffer", "step"),
+    ("lr", "alpha", "eps", "weight_decay", "momentum", "centered", "maximize"),
+    optional=("grad_avg", "momentum_buffer"),
+)
+
+
 def _adagrad_init(params: list[Tensor], h: dict[str, Any]) -> State:
     return {
         "step": _steps(params),
         "sum": [_full(p, h["initial_accumulator_value"]) for p in params],
     }
-
-
-def _adagrad_call(
-    fn: Callable[..., None],
-    p: list[Tensor],
-    g: list[Tensor],
-    s: State,
-    h: dict[str, Any],
-    *impl: str,
-) -> None:
-    fn(
-        p,
-        g,
-        s["sum"],
-        s["step"],
-        h["lr"],
-        h["weight_decay"],
-        h["lr_decay"],
-        h["eps"],
-        h["maximize"],
-        *impl,
-    )
 
 
 def _adadelta_init(params: list[Tensor], h: dict[str, Any]) -> State:
@@ -88,29 +100,6 @@ def _adadelta_init(params: list[Tensor], h: dict[str, Any]) -> State:
     }
 
 
-def _adadelta_call(
-    fn: Callable[..., None],
-    p: list[Tensor],
-    g: list[Tensor],
-    s: State,
-    h: dict[str, Any],
-    *impl: str,
-) -> None:
-    fn(
-        p,
-        g,
-        s["square_avg"],
-        s["acc_delta"],
-        s["step"],
-        h["lr"],
-        h["rho"],
-        h["eps"],
-        h["weight_decay"],
-        h["maximize"],
-        *impl,
-    )
-
-
 def _rmsprop_init(params: list[Tensor], h: dict[str, Any]) -> State:
     state: State = {"step": _steps(params), "square_avg": [torch.zeros_like(p) for p in params]}
     if h["momentum"] > 0:
@@ -118,32 +107,6 @@ def _rmsprop_init(params: list[Tensor], h: dict[str, Any]) -> State:
     if h["centered"]:
         state["grad_avg"] = [torch.zeros_like(p) for p in params]
     return state
-
-
-def _rmsprop_call(
-    fn: Callable[..., None],
-    p: list[Tensor],
-    g: list[Tensor],
-    s: State,
-    h: dict[str, Any],
-    *impl: str,
-) -> None:
-    fn(
-        p,
-        g,
-        s["square_avg"],
-        s.get("grad_avg", []),
-        s.get("momentum_buffer", []),
-        s["step"],
-        h["lr"],
-        h["alpha"],
-        h["eps"],
-        h["weight_decay"],
-        h["momentum"],
-        h["centered"],
-        h["maximize"],
-        *impl,
-    )
 
 
 def _rprop_init(params: list[Tensor], h: dict[str, Any]) -> State:

@@ -29,6 +29,24 @@ def drive(opt: torch.optim.Optimizer, leaves: list[Tensor], grads: list[list[Any
         opt.step()
 
 
+def drive_with_step_lr(
+    pairs: list[tuple[torch.optim.Optimizer, list[Tensor]]],
+    grads: list[list[Any]],
+    step_size: int,
+) -> list[list[float]]:
+    """Step every ``(optimizer, leaves)`` on each row of ``grads``, then its ``StepLR(step_size,
+    gamma=0.5)``; return the learning rates of all optimizers after each step."""
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=step_size, gamma=0.5) for o, _ in pairs]
+    lrs = []
+    for row in grads:
+        for o, leaves in pairs:
+            drive(o, leaves, [row])
+        for s in scheds:
+            s.step()
+        lrs.append([o.param_groups[0]["lr"] for o, _ in pairs])
+    return lrs
+
+
 def states(opt: torch.optim.Optimizer, leaves: list[Tensor]) -> list[dict[str, Any]]:
     sd = opt.state_dict()["state"]
     return [dict(sd.get(i, {})) for i in range(len(leaves))]
@@ -138,15 +156,8 @@ def test_step_lr_scheduler_reaches_the_transform() -> None:
     ours, theirs = leaves_of(params), leaves_of(params)
     opt = fo.Optimizer(ours, fo.sgd(lr=0.1, momentum=0.9))
     ref = torch.optim.SGD(theirs, lr=0.1, momentum=0.9, fused=True)
-    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (opt, ref)]
-    for row in grads:
-        for o, leaves in ((opt, ours), (ref, theirs)):
-            for leaf, g in zip(leaves, row, strict=True):
-                leaf.grad = g.clone()
-            o.step()
-        for s in scheds:
-            s.step()
-        assert opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"]
+    for our_lr, torch_lr in drive_with_step_lr([(opt, ours), (ref, theirs)], grads, 2):
+        assert our_lr == torch_lr
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
     assert_tensors_equal(ours, theirs)
 
@@ -160,14 +171,7 @@ def test_step_lr_with_user_transform_through_inject_hyperparams() -> None:
     ours, theirs = leaves_of(params), leaves_of(params)
     opt = fo.Optimizer(ours, fo.inject_hyperparams(my_sgd)(lr=0.1))
     ref = torch.optim.SGD(theirs, lr=0.1, momentum=0.9, foreach=False)
-    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, ref)]
-    for row in grads:
-        for o, leaves in ((opt, ours), (ref, theirs)):
-            for leaf, g in zip(leaves, row, strict=True):
-                leaf.grad = g.clone()
-            o.step()
-        for s in scheds:
-            s.step()
+    drive_with_step_lr([(opt, ours), (ref, theirs)], grads, 1)
     assert_tensors_equal(ours, theirs, *TOL64)
 
 
