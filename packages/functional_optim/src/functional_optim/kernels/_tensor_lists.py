@@ -11,6 +11,8 @@
     Whether any tensor is complex.
 ``has_sparse(tensors) -> bool``
     Whether any tensor is sparse.
+``increment_steps(steps)``
+    Adds 1 to every 0-d step of one (device, dtype) group, in torch's foreach way.
 ``check_lengths(kernel, params, lists, names)``
     Raises ``ValueError`` unless every list in ``lists`` has one tensor per param.
 """
@@ -86,6 +88,17 @@ def has_sparse(tensors: List[Tensor]) -> bool:
         if t.is_sparse:
             return True
     return False
+
+
+def increment_steps(steps: List[Tensor]) -> None:
+    """Add 1 in place to the non-empty group ``steps`` (one device), as torch's foreach Adam does.
+
+    On CPU one wrapped CPU scalar serves all steps, as in torch (same overload, same result).
+    """
+    if steps[0].is_cpu:
+        torch._foreach_add_(steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
+    else:
+        torch._foreach_add_(steps, 1)
 
 
 def check_lengths(

@@ -14,6 +14,7 @@ from functional_optim.kernels._dispatch import resolve_impl, take
 from functional_optim.kernels._tensor_lists import (
     group_by_device_dtype,
     has_complex,
+    increment_steps,
     real_views,
 )
 
@@ -107,11 +108,7 @@ def _adam_foreach(
             g_max = real_views(g_max)
         if maximize:
             g_grads = list(torch._foreach_neg(g_grads))
-        if g_steps[0].is_cpu:
-            # One wrapped CPU scalar for all steps, as torch does (same overload, same result).
-            torch._foreach_add_(g_steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
-        else:
-            torch._foreach_add_(g_steps, 1)
+        increment_steps(g_steps)
         if weight_decay != 0:
             if decoupled:
                 torch._foreach_mul_(g_params, 1 - lr * weight_decay)

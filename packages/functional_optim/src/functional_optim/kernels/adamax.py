@@ -13,6 +13,7 @@ from functional_optim.kernels._dispatch import resolve_impl, take
 from functional_optim.kernels._tensor_lists import (
     group_by_device_dtype,
     has_complex,
+    increment_steps,
     real_views,
 )
 
@@ -87,11 +88,7 @@ def adamax_foreach(
             g_exp_infs = real_views(g_exp_infs)
         if maximize:
             g_grads = list(torch._foreach_neg(g_grads))
-        if g_steps[0].is_cpu:
-            # One wrapped CPU scalar for all steps, as torch does (same overload, same result).
-            torch._foreach_add_(g_steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
-        else:
-            torch._foreach_add_(g_steps, 1)
+        increment_steps(g_steps)
         if weight_decay != 0:
             if maximize:
                 # g_grads is already a fresh copy: update it in place.
