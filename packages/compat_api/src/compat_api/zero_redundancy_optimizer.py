@@ -16,8 +16,9 @@ A thin adapter over focused pieces:
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -83,6 +84,27 @@ def _broadcast_object(
     holder = [obj]
     dist.broadcast_object_list(holder, src=src_rank, group=group, device=device)
     return holder[0]
+
+
+_T = TypeVar("_T")
+
+
+def _weakly(method: Callable[[], _T]) -> Callable[[], _T]:
+    """Wrap a bound method so that holding the wrapper does not keep its object alive.
+
+    The layout calls back into the optimizer for its current param groups; a plain bound method
+    would form a reference cycle (optimizer -> layout -> method -> optimizer), delaying the
+    optimizer's release to a GC pass that may run after the process group is destroyed.
+    """
+    ref = weakref.WeakMethod(method)
+
+    def call() -> _T:
+        bound = ref()
+        if bound is None:
+            raise RuntimeError("the ZeroRedundancyOptimizer owning this layout was freed")
+        return bound()
+
+    return call
 
 
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
@@ -151,7 +173,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.world_size: int = group_size(group)
         self.rank: int = group_rank(group)
         self.global_rank: int = dist.get_global_rank(group, self.rank)
-        self._layout = ShardLayout(self.world_size, self._get_param_groups, self._get_all_params)
+        self._layout = ShardLayout(
+            self.world_size, _weakly(self._get_param_groups), _weakly(self._get_all_params)
+        )
         self._is_trainable_mask = self._get_is_trainable_mask()
         self._default_device = self._all_params[0].device
         self._overlap_with_ddp = overlap_with_ddp
