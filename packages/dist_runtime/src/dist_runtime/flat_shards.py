@@ -15,11 +15,13 @@ One training step::
     local_optimizer.step()          # updates this rank's shard in place
     shards.all_gather_params()      # one all_gather per buffer
 
-Communication: reduce-scatter + all-gather move what one all-reduce moves (DDP's volume) where
-the backend implements reduce-scatter natively; gloo (torch 2.13) supports both single-tensor
-collectives, but its reduce-scatter sends as many bytes as an all-reduce (measured in
-``benchmarks/zero_flat.py``). A backend that lacks one of them falls back to ``all_reduce`` (and
-``all_gather`` into chunk views); :attr:`FlatShards.collectives` says which ones run.
+Communication: reduce-scatter + all-gather move what one all-reduce moves (DDP's volume:
+``(N - 1) / N`` of each buffer each way per rank). gloo's own ``reduce_scatter`` (torch 2.13)
+sends as many bytes as an all-reduce, so on gloo the gradients go round a ring of point-to-point
+sends instead (:func:`dist_runtime.ring_reduce_scatter.ring_reduce_scatter`); other backends
+(NCCL) use the native collective. A backend that lacks one of them falls back to ``all_reduce``
+(and ``all_gather`` into chunk views); :attr:`FlatShards.collectives` says which ones run
+(measured in ``benchmarks/zero_flat.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from torch.distributed import ProcessGroup
 from dist_runtime.flat_partition import FlatLayout, group_by_key, plan_flat_layout
 from dist_runtime.piece_state import Piece
 from dist_runtime.process_group import group_rank, group_size, resolve_group
+from dist_runtime.ring_reduce_scatter import ring_reduce_scatter
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
@@ -156,29 +159,55 @@ class FlatShards:
         self.process_group = resolve_group(process_group)
         self.world_size = group_size(self.process_group)
         self.rank = group_rank(self.process_group)
-        self.params = list(params)
-        self.index_of = {param: index for index, param in enumerate(self.params)}
-        trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
-        keys = [(self.params[i].dtype, self.params[i].device) for i in trainable]
-        self.buckets = [
-            FlatBucket([trainable[j] for j in members], self.params, self.world_size)
-            for members in group_by_key(keys).values()
-        ]
+        self.params: list[torch.Tensor] = []
+        self.index_of: dict[torch.Tensor, int] = {}
+        self.buckets: list[FlatBucket] = []
         #: This rank's pieces: 1-D views of its shards, and where each comes from.
         self.pieces: list[torch.Tensor] = []
         self.piece_info: dict[torch.Tensor, Piece] = {}
         self._piece_bucket: list[int] = []
-        for b, bucket in enumerate(self.buckets):
+        self.add_params(params)
+        #: Which collectives run: updated when a backend refuses the preferred one.
+        self.collectives = {
+            "reduce_scatter": (
+                "ring" if dist.get_backend(self.process_group) == "gloo" else "reduce_scatter"
+            ),
+            "all_gather": "all_gather",
+        }
+
+    def add_params(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Append parameters (global indices continue after the existing ones) in new buffers.
+
+        The existing buffers, pieces and their optimizer state are untouched; the new trainable
+        parameters of each ``(dtype, device)`` get a flat buffer of their own, sharded the same
+        way.
+
+        Args:
+            params: the new parameters, in global index order.
+
+        Returns:
+            This rank's new pieces, in local-optimizer order.
+        """
+        start = len(self.params)
+        for offset, param in enumerate(params):
+            self.params.append(param)
+            self.index_of[param] = start + offset
+        trainable = [start + i for i, p in enumerate(params) if p.requires_grad]
+        keys = [(self.params[i].dtype, self.params[i].device) for i in trainable]
+        new_pieces: list[torch.Tensor] = []
+        for members in group_by_key(keys).values():
+            bucket = FlatBucket([trainable[j] for j in members], self.params, self.world_size)
+            self.buckets.append(bucket)
             for s in bucket.layout.slices[self.rank]:
                 index = bucket.indices[s.param_index]
                 tensor = bucket.flat[s.offset : s.offset + s.numel]
-                self.pieces.append(tensor)
+                new_pieces.append(tensor)
                 self.piece_info[tensor] = Piece(
                     index, s.start, s.stop, tuple(self.params[index].shape)
                 )
-                self._piece_bucket.append(b)
-        #: Which collectives run: updated when a backend refuses the preferred one.
-        self.collectives = {"reduce_scatter": "reduce_scatter", "all_gather": "all_gather"}
+                self._piece_bucket.append(len(self.buckets) - 1)
+        self.pieces.extend(new_pieces)
+        return new_pieces
 
     # -- layout queries --------------------------------------------------------------------------
 
@@ -203,8 +232,8 @@ class FlatShards:
         """This rank's param groups: each group's options with its pieces as ``"params"``.
 
         Args:
-            param_groups: the global groups (dicts with ``"params"``); every parameter must be
-                one of :attr:`params`.
+            param_groups: global groups (dicts with ``"params"``); every parameter must be one
+                of :attr:`params`. Pieces of parameters in no given group are left out.
 
         Returns:
             One shallow copy per group (possibly with no pieces), ready for a local optimizer.
@@ -215,7 +244,9 @@ class FlatShards:
                 group_of[self.index_of[param]] = g
         local = [dict(group, params=[]) for group in param_groups]
         for tensor in self.pieces:
-            local[group_of[self.piece_info[tensor].param_index]]["params"].append(tensor)
+            owner = group_of.get(self.piece_info[tensor].param_index)
+            if owner is not None:
+                local[owner]["params"].append(tensor)
         return local
 
     # -- gradients -------------------------------------------------------------------------------
@@ -264,6 +295,9 @@ class FlatShards:
     def _reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor) -> None:
         if self.world_size == 1:
             out.copy_(flat)
+            return
+        if self.collectives["reduce_scatter"] == "ring":
+            ring_reduce_scatter(out, flat, self.process_group)
             return
         if self.collectives["reduce_scatter"] == "reduce_scatter":
             try:

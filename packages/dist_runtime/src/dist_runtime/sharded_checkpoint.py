@@ -1,25 +1,25 @@
-"""Sharded optimizer checkpoints with torch.distributed.checkpoint: parallel writes, any reload.
+"""Sharded optimizer checkpoints in folders: parallel DCP writes, atomic commit, any reload.
 
 Every rank writes only the state of the parameter pieces it updates, in parallel (one DCP file per
-rank; nothing is gathered on one rank). The on-disk form does not depend on the partition that
-wrote it: each value is stored under ``state.<index>.<start>.<stop>.<name>``, where ``index`` is
-the parameter's global ``state_dict`` index, ``[start, stop)`` an element range of the flattened
-parameter, and elementwise values are 1-D tensors of ``stop - start`` elements (torch's dtype
-and values, as ``torch.optim`` keeps them). Scalars (``step``) are stored with every range. Rank 0
-adds ``meta`` (parameter sizes and shapes, the param groups' hyperparameters). Any layout (flat
-shards at another world size, whole parameters per rank, a plain optimizer in one process) loads
-it by reading the ranges that overlap its own pieces.
+rank; nothing is gathered on one rank), in the layout-free form of
+:func:`dist_runtime.dcp_state.shard_state_dict`: ``state.<index>.<name>`` is one logical 1-D
+tensor per parameter and state name (chunks written by the ranks that hold them), ``meta`` the
+sizes, shapes and hyperparameters. Any layout (flat shards at another world size, whole
+parameters per rank, a plain optimizer in one process) loads it: DCP reads the chunks that
+overlap each rank's pieces.
 
 Atomicity: a checkpoint is written to a new folder ``<root>/ckpt-<n>``; only after every rank has
 written (DCP's metadata is the commit record) does rank 0 atomically replace ``<root>/LATEST``
-with the new folder's name. A crash before that leaves ``LATEST`` on the previous checkpoint.
+with the new folder's name. A crash before that leaves ``LATEST`` on the previous checkpoint; the
+next successful save reuses the crashed folder's name (emptying it first) and removes any other
+uncommitted folder (one without DCP metadata), never the one ``LATEST`` names.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import re
+import shutil
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -33,23 +33,35 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import StorageWriter
 
-from dist_runtime.piece_state import Piece, place_state, split_param_state
+from dist_runtime.dcp_state import (
+    load_shard_state_dict,
+    shard_state_dict,
+    sharded_view,
+    state_key,
+)
+from dist_runtime.piece_state import Piece
+from dist_runtime.process_group import all_gather_objects
 
 __all__ = [
     "LATEST",
+    "commit_checkpoint",
     "latest_checkpoint",
     "load_optimizer_shards",
     "load_plain_optimizer",
+    "new_checkpoint_folder",
     "save_optimizer_shards",
     "whole_param_pieces",
 ]
 
 #: Name of the pointer file in the checkpoint root.
 LATEST = "LATEST"
-_KEY = re.compile(r"^state\.(\d+)\.(\d+)\.(\d+)\.(.+)$")
-_FORMAT_VERSION = 1
+_FOLDER = re.compile(r"^ckpt-(\d+)$")
+_STATE_KEY = re.compile(r"^state\.(\d+)\.(.+)$")
 # DCP warns on every single-process call; one process is a supported use here.
 _SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+# DCP's planner touches ShardedTensor attributes that torch marks deprecated; the format needs
+# uneven 1-D chunks, which DTensor cannot describe.
+_SHARDED_TENSOR_WARNING = "Please use DTensor instead and we are deprecating ShardedTensor"
 
 WriterFactory = Callable[[str], StorageWriter]
 
@@ -78,21 +90,51 @@ def whole_param_pieces(param_groups: Sequence[Mapping[str, Any]]) -> dict[torch.
     return {p: Piece(i, 0, p.numel(), tuple(p.shape)) for i, p in enumerate(params)}
 
 
-def _meta(params: Sequence[torch.Tensor], param_groups: Sequence[Mapping[str, Any]]) -> Any:
-    index_of = {p: i for i, p in enumerate(params)}
-    groups = [
-        {
-            **{k: v for k, v in g.items() if k != "params"},
-            "params": [index_of[p] for p in g["params"]],
-        }
-        for g in param_groups
-    ]
-    return {
-        "version": _FORMAT_VERSION,
-        "numels": [p.numel() for p in params],
-        "shapes": [list(p.shape) for p in params],
-        "param_groups": groups,
-    }
+def new_checkpoint_folder(root: str, process_group: ProcessGroup | None = None) -> str:
+    """Agree on the next folder ``<root>/ckpt-<n>`` (call on every rank); it is empty.
+
+    ``n`` follows the committed one. A folder of that name can only be left by a crashed save
+    (it was never committed): rank 0 empties it before any rank writes.
+    """
+    name = [""]
+    if _rank(process_group) == 0:
+        previous = latest_checkpoint(root)
+        number = 0 if previous is None else int(os.path.basename(previous).split("-")[-1]) + 1
+        name[0] = f"ckpt-{number:06d}"
+        shutil.rmtree(os.path.join(root, name[0]), ignore_errors=True)
+    if _is_dist(process_group):
+        # Every rank must agree on the folder, and wait for rank 0's clean-up.
+        dist.broadcast_object_list(name, group_src=0, group=process_group)
+    folder = os.path.join(root, name[0])
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
+def commit_checkpoint(folder: str, process_group: ProcessGroup | None = None) -> None:
+    """Point ``LATEST`` at ``folder`` (atomic rename on rank 0) and drop uncommitted folders.
+
+    Call on every rank after all of them have written ``folder``. Folders ``ckpt-<n>`` without
+    DCP metadata (left by crashed saves) are removed; committed older checkpoints are kept.
+    """
+    root, name = os.path.split(folder)
+    if _rank(process_group) == 0:
+        tmp = os.path.join(root, f".{LATEST}.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(name)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(root, LATEST))
+        for entry in os.listdir(root):
+            path = os.path.join(root, entry)
+            if (
+                entry != name
+                and _FOLDER.match(entry)
+                and os.path.isdir(path)
+                and not os.path.exists(os.path.join(path, ".metadata"))
+            ):
+                shutil.rmtree(path, ignore_errors=True)
+    if _is_dist(process_group):
+        dist.barrier(group=process_group)
 
 
 def save_optimizer_shards(
@@ -122,66 +164,24 @@ def save_optimizer_shards(
     Returns:
         The committed checkpoint folder.
     """
-    rank = _rank(process_group)
-    previous = latest_checkpoint(root)
-    number = 0 if previous is None else int(os.path.basename(previous).split("-")[-1]) + 1
-    name = [f"ckpt-{number:06d}"]
-    if _is_dist(process_group):
-        # Every rank must agree on the folder even if one read LATEST late.
-        dist.broadcast_object_list(name, group_src=0, group=process_group)
-    folder = os.path.join(root, name[0])
-    os.makedirs(folder, exist_ok=True)
-
-    state: dict[str, Any] = {}
-    for tensor, piece in pieces.items():
-        saved = optimizer.state.get(tensor)
-        if not saved:
-            continue
-        flat = split_param_state(saved, tuple(tensor.shape), 0, tensor.numel())
-        for key, value in flat.items():
-            if isinstance(value, torch.Tensor):
-                value = value.cpu()
-            state[f"state.{piece.param_index}.{piece.start}.{piece.stop}.{key}"] = value
-    if rank == 0:
-        # Pickled so that DCP stores it as one value instead of flattening the nested dicts.
-        state["meta"] = pickle.dumps(_meta(params, param_groups))
+    folder = new_checkpoint_folder(root, process_group)
+    state = shard_state_dict(
+        optimizer, pieces, params, param_groups, process_group, init_empty=False
+    )
     for key, value in (extra or {}).items():
         state[f"extra.{key}"] = value.detach().cpu() if isinstance(value, torch.Tensor) else value
     writer = (storage_writer or FileSystemWriter)(folder)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+        warnings.filterwarnings("ignore", message=_SHARDED_TENSOR_WARNING)
         dcp_save(
             state,
             storage_writer=writer,
             process_group=process_group,
             no_dist=not _is_dist(process_group),
         )
-    if rank == 0:
-        tmp = os.path.join(root, f".{LATEST}.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(name[0])
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(root, LATEST))
-    if _is_dist(process_group):
-        dist.barrier(group=process_group)
+    commit_checkpoint(folder, process_group)
     return folder
-
-
-def _saved_ranges(
-    metadata: Mapping[str, Any],
-) -> dict[int, list[tuple[int, int, dict[str, Any]]]]:
-    """``{index: [(start, stop, {name: storage metadata})]}`` parsed from the DCP keys."""
-    by_range: dict[tuple[int, int, int], dict[str, Any]] = {}
-    for key, md in metadata.items():
-        match = _KEY.match(key)
-        if match:
-            i, s, e, name = match.groups()
-            by_range.setdefault((int(i), int(s), int(e)), {})[name] = md
-    ranges: dict[int, list[tuple[int, int, dict[str, Any]]]] = {}
-    for (i, s, e), names in sorted(by_range.items()):
-        ranges.setdefault(i, []).append((s, e, names))
-    return ranges
 
 
 def _placeholder(md: Any) -> Any:
@@ -202,7 +202,8 @@ def load_optimizer_shards(
     """Load a sharded checkpoint into this rank's local optimizer, whatever layout wrote it.
 
     Call on every rank of the group. The local optimizer's param groups must match the saved
-    ones one to one; their hyperparameters are restored from the checkpoint.
+    ones one to one; their hyperparameters are restored from the checkpoint. Each rank reads
+    only the chunks that overlap its own pieces.
 
     Args:
         folder_or_root: a checkpoint folder, or a root whose ``LATEST`` names one.
@@ -229,69 +230,40 @@ def load_optimizer_shards(
         raise FileNotFoundError(f"no committed checkpoint in {folder_or_root!r}")
     reader = FileSystemReader(folder)
     metadata = reader.read_metadata().state_dict_metadata
-    ranges = _saved_ranges(metadata)
+    saved: dict[int, dict[str, Any]] = {}
+    for key, md in metadata.items():
+        match = _STATE_KEY.match(key)
+        if match:
+            saved.setdefault(int(match.group(1)), {})[match.group(2)] = md
+    mine = [piece for piece in pieces.values() if piece.param_index in saved]
+    everyone = all_gather_objects(mine, process_group) if _is_dist(process_group) else [mine]
+    holders: dict[int, list[tuple[int, Piece]]] = {}
+    for rank, rank_pieces in enumerate(everyone):
+        for piece in rank_pieces:
+            holders.setdefault(piece.param_index, []).append((rank, piece))
 
     request: dict[str, Any] = {"meta": None}
-    wanted: list[tuple[torch.Tensor, Piece, list[tuple[int, int, dict[str, Any]]]]] = []
-    for tensor, piece in pieces.items():
-        overlapping = [
-            r for r in ranges.get(piece.param_index, []) if r[0] < piece.stop and piece.start < r[1]
-        ]
-        if not overlapping:
-            continue
-        wanted.append((tensor, piece, overlapping))
-        for s, e, names in overlapping:
-            for name, md in names.items():
-                request[f"state.{piece.param_index}.{s}.{e}.{name}"] = _placeholder(md)
+    for piece in mine:
+        numel = _numel(piece.shape)
+        for name, md in saved[piece.param_index].items():
+            key = state_key(piece.param_index, name)
+            if isinstance(md, TensorStorageMetadata) and tuple(md.size) == (numel,):
+                local = torch.empty(piece.numel, dtype=md.properties.dtype)
+                request[key] = sharded_view(local, piece, holders[piece.param_index], process_group)
+            else:
+                request[key] = _placeholder(md)
     for key in extra or {}:
         request[f"extra.{key}"] = _placeholder(metadata[f"extra.{key}"])
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+        warnings.filterwarnings("ignore", message=_SHARDED_TENSOR_WARNING)
         dcp_load(
             request,
             storage_reader=reader,
             process_group=process_group,
             no_dist=not _is_dist(process_group),
         )
-    meta: dict[str, Any] = pickle.loads(request["meta"])
-
-    saved_groups = meta["param_groups"]
-    if len(saved_groups) != len(optimizer.param_groups):
-        raise ValueError(
-            f"the checkpoint has {len(saved_groups)} param groups but the optimizer has "
-            f"{len(optimizer.param_groups)}"
-        )
-    group_of = {t: g for g, group in enumerate(optimizer.param_groups) for t in group["params"]}
-    for tensor, piece, overlapping in wanted:
-        if meta["numels"][piece.param_index] != _numel(piece.shape):
-            raise ValueError(
-                f"parameter {piece.param_index} has {_numel(piece.shape)} elements but the "
-                f"checkpoint saved {meta['numels'][piece.param_index]}"
-            )
-        state: dict[str, Any] = {}
-        for name in overlapping[0][2]:
-            first = request[
-                f"state.{piece.param_index}.{overlapping[0][0]}.{overlapping[0][1]}.{name}"
-            ]
-            if (
-                isinstance(first, torch.Tensor)
-                and first.dim() == 1
-                and (first.numel() == overlapping[0][1] - overlapping[0][0])
-            ):
-                parts = []
-                for s, e, _ in overlapping:
-                    value = request[f"state.{piece.param_index}.{s}.{e}.{name}"]
-                    parts.append(value[max(piece.start, s) - s : min(piece.stop, e) - s])
-                state[name] = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-            else:
-                state[name] = first
-        optimizer.state[tensor] = place_state(
-            state, tensor, optimizer.param_groups[group_of[tensor]]
-        )
-    for local, saved in zip(optimizer.param_groups, saved_groups):
-        for key, value in saved.items():
-            if key != "params":
-                local[key] = value
+    meta = load_shard_state_dict(optimizer, pieces, request)
     for key in extra or {}:
         assert extra is not None
         value = request[f"extra.{key}"]
