@@ -21,22 +21,22 @@ markdown table.
 
 from __future__ import annotations
 
-import argparse
-import os
-import queue
-import socket
-import statistics
-import time
-import traceback
+import functools
 import warnings
-from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
-WORLD_SIZE = 2
+from _harness import (
+    WORLD_SIZE,
+    benchmark_parser,
+    emit,
+    median_ms,
+    slowest_rank_seconds,
+    spawn,
+    table,
+)
+
 WARMUP = 4  # the overlapped ZeRO needs 2 iterations before it updates anything
 CONFIGS = (
     "DDP + torch.optim.Adam",
@@ -45,66 +45,6 @@ CONFIGS = (
     "DDP + ZeRO overlap (step)",
     "DDP + ZeRO overlap (interleaved)",
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _entry(rank: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out: Any) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=WORLD_SIZE,
-            timeout=timedelta(seconds=120),
-        )
-        out.put((rank, "ok", fn(rank, *args)))
-        dist.destroy_process_group()
-    except BaseException:
-        out.put((rank, "error", traceback.format_exc()))
-
-
-def _spawn(fn: Callable[..., Any], *args: Any, timeout_s: float) -> list[Any]:
-    """Run ``fn(rank, *args)`` on two fresh gloo ranks; results by rank; kill on timeout."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, port, fn, args, out)) for r in range(WORLD_SIZE)]
-    for proc in procs:
-        proc.start()
-    results: dict[int, Any] = {}
-    try:
-        deadline = time.monotonic() + timeout_s
-        while len(results) < WORLD_SIZE:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"benchmark ranks did not finish within {timeout_s:.0f} s")
-            try:
-                rank, status, value = out.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                if any(not p.is_alive() for p in procs) and out.empty():
-                    time.sleep(1.0)
-                    if out.empty():
-                        raise RuntimeError("a benchmark rank died without reporting") from None
-                continue
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-    return [results[r] for r in range(WORLD_SIZE)]
 
 
 # -- the measurement (runs on every rank) ---------------------------------------------------------
@@ -152,40 +92,37 @@ def _setups(width: int, depth: int, bucket_mb: float) -> list[tuple[Any, Any]]:
     return setups
 
 
+def _iteration(model: torch.nn.Module, step: Any, x: torch.Tensor) -> None:
+    """One training iteration: ``zero_grad``, forward, backward, then ``step`` unless ``None``."""
+    model.zero_grad(set_to_none=True)
+    model(x).square().mean().backward()
+    if step is not None:
+        step()
+
+
 def _time_iterations(
     rank: int, width: int, depth: int, batch: int, bucket_mb: float, reps: int
 ) -> list[float]:
-    import torch.distributed as dist
-
     setups = _setups(width, depth, bucket_mb)
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(batch, width, generator=gen)
     times: list[list[float]] = [[] for _ in setups]
     for rep in range(WARMUP + reps):
         for i, (model, step) in enumerate(setups):
-            dist.barrier()
-            start = time.perf_counter()
-            model.zero_grad(set_to_none=True)
-            model(x).square().mean().backward()
-            if step is not None:
-                step()
-            elapsed = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            elapsed = slowest_rank_seconds(functools.partial(_iteration, model, step, x))
             if rep >= WARMUP:
-                times[i].append(float(elapsed) * 1e3)
-    return [statistics.median(t) for t in times]
+                times[i].append(elapsed)
+    return [median_ms(t) for t in times]
 
 
 def main(argv: list[str] | None = None) -> str:
     """Run the benchmark and return its markdown table (also printed)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="smoke-test sizes (< 60 s)")
-    args = parser.parse_args(argv)
+    args = benchmark_parser(__doc__).parse_args(argv)
     if args.quick:
         width, depth, batch, bucket_mb, reps = 256, 6, 32, 0.25, 10
     else:
         width, depth, batch, bucket_mb, reps = 1024, 8, 64, 4.0, 40
-    medians = _spawn(
+    medians = spawn(
         _time_iterations,
         width,
         depth,
@@ -195,25 +132,27 @@ def main(argv: list[str] | None = None) -> str:
         timeout_s=120 if args.quick else 900,
     )[0]
     params = depth * (width * width + width)
-    lines = [
-        f"### ZeRO overlapped with DDP (gloo, world size {WORLD_SIZE}, {depth} x "
-        f"Linear({width}, {width}) = {params / 1e6:.1f}M params, batch {batch}, "
-        f"bucket_cap_mb={bucket_mb}, median of {reps} iterations)",
-        "",
-        "| configuration | ms / iteration | ratio vs DDP + torch.optim.Adam |",
-        "|---|---:|---:|",
-    ]
-    for name, ms in zip(CONFIGS, medians):
-        lines.append(f"| {name} | {ms:.2f} | {ms / medians[0]:.2f} |")
     best_overlap = min(medians[3:])
-    lines += [
-        "",
-        f"Overlapped / not overlapped (ours): {best_overlap / medians[2]:.2f} "
-        f"(step hook {medians[3] / medians[2]:.2f}, interleaved {medians[4] / medians[2]:.2f}).",
-    ]
-    table = "\n".join(lines)
-    print(table)
-    return table
+    return emit(
+        [
+            f"### ZeRO overlapped with DDP (gloo, world size {WORLD_SIZE}, {depth} x "
+            f"Linear({width}, {width}) = {params / 1e6:.1f}M params, batch {batch}, "
+            f"bucket_cap_mb={bucket_mb}, median of {reps} iterations)",
+            "",
+            *table(
+                ["configuration", "ms / iteration", "ratio vs DDP + torch.optim.Adam"],
+                [
+                    [name, f"{ms:.2f}", f"{ms / medians[0]:.2f}"]
+                    for name, ms in zip(CONFIGS, medians)
+                ],
+                "lrr",
+            ),
+            "",
+            f"Overlapped / not overlapped (ours): {best_overlap / medians[2]:.2f} "
+            f"(step hook {medians[3] / medians[2]:.2f}, "
+            f"interleaved {medians[4] / medians[2]:.2f}).",
+        ]
+    )
 
 
 if __name__ == "__main__":
