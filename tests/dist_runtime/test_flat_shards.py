@@ -3,6 +3,8 @@
 Gradients are dyadic rationals (multiples of 2**-8, small), so every sum is exact whatever order
 gloo adds them in, and dividing by 2 is exact: the flat run must then equal the reference
 bitwise. Averaging over 3 ranks is not exact, so world 3 reduces with ``average=False``.
+On gloo the reduce-scatter is the ring of dist_runtime.ring_reduce_scatter (checked against
+all_reduce and for its bytes sent here).
 """
 
 from __future__ import annotations
@@ -285,3 +287,58 @@ def test_streaming_consolidation_is_torch_state(
     for got in resumed:
         for g, w in zip(got, params):
             assert torch.equal(g, w.detach())
+
+
+def _wchar() -> int:
+    with open("/proc/self/io", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _ring(rank: int, world_size: int, numel: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from dist_runtime.ring_reduce_scatter import ring_reduce_scatter
+
+    gen = torch.Generator().manual_seed(rank)
+    data = torch.randn(numel * world_size, generator=gen, dtype=torch.float64)
+    want = data.clone()
+    dist.all_reduce(want)
+    out = torch.empty(numel, dtype=torch.float64)
+    dist.barrier()
+    before = _wchar()
+    ring_reduce_scatter(out, data.clone())
+    sent = _wchar() - before
+    error = ""
+    try:
+        ring_reduce_scatter(torch.empty(3), torch.empty(7))
+    except ValueError as e:
+        error = str(e)
+    dist.barrier()
+    return {
+        "out": out,
+        "want": want[rank * numel : (rank + 1) * numel],
+        "sent": sent,
+        "error": error,
+    }
+
+
+@pytest.mark.parametrize("world_name", ["world2", "world3"])
+def test_ring_reduce_scatter_is_all_reduce_with_ddp_volume(
+    world_name: str, request: pytest.FixtureRequest
+) -> None:
+    world: World = request.getfixturevalue(world_name)
+    n = world.world_size
+    numel = 1 << 17  # 1 MiB of float64 per rank's chunk
+    for result in world.run(_ring, numel):
+        if n == 2:
+            # One addition per element: the same as any all-reduce, bitwise.
+            assert torch.equal(result["out"], result["want"])
+        else:
+            # Ring order vs gloo's order: a few ulps of the (unit-scale) sums.
+            torch.testing.assert_close(result["out"], result["want"], rtol=1e-14, atol=1e-14)
+        ideal = (n - 1) * numel * 8  # (N - 1) / N of the buffer
+        assert ideal <= result["sent"] < 1.05 * ideal + 65536, result["sent"]
+        assert "world_size" in result["error"]

@@ -83,15 +83,26 @@ def shard_meta(params: Sequence[torch.Tensor], param_groups: Sequence[Mapping[st
     return pickle.dumps(meta)
 
 
-def init_empty_state(optimizer: torch.optim.Optimizer) -> None:
+def init_empty_state(
+    optimizer: torch.optim.Optimizer, trainable: Sequence[torch.Tensor] | None = None
+) -> None:
     """Give an optimizer without state its initial state (zero gradients, zero learning rates).
 
     Parameters and existing gradients are left as they were; does nothing when the optimizer has
     state already or no trainable tensor.
+
+    Args:
+        optimizer: the optimizer.
+        trainable: its tensors to initialise (default: those with ``requires_grad``; pieces of
+            flat buffers do not require grad themselves).
     """
     if optimizer.state:
         return
-    tensors = [t for g in optimizer.param_groups for t in g["params"] if t.requires_grad]
+    tensors = (
+        [t for g in optimizer.param_groups for t in g["params"] if t.requires_grad]
+        if trainable is None
+        else list(trainable)
+    )
     if not tensors:
         return
     grads = [t.grad for t in tensors]
@@ -211,7 +222,9 @@ def shard_state_dict(
         ValueError: if one parameter's pieces disagree on having state (checked on all ranks).
     """
     if init_empty:
-        init_empty_state(optimizer)
+        init_empty_state(
+            optimizer, [t for t, p in pieces.items() if params[p.param_index].requires_grad]
+        )
     local: list[tuple[Piece, dict[str, Any]]] = []
     for tensor, piece in pieces.items():
         saved = optimizer.state.get(tensor)

@@ -7,6 +7,11 @@ the parameter sizes; the shards are synced with one ``all_gather`` per buffer. T
 ``partition="sorted_greedy"``, is torch's rule. The local optimizer must be elementwise (see
 :func:`dist_runtime.flat_shards.check_elementwise_optimizer`).
 
+Gradients: by default they are taken as already averaged (DDP's all-reduce). Once the DDP hook
+:func:`compat_api.algorithms.ddp_comm_hooks.zero_flat_hook.zero_flat_hook` has run (DDP then
+communicates nothing), :attr:`FlatPartition.reduce_grads` is set and the step reduce-scatters the
+local gradients to their owners first: reduce-scatter + all-gather = one all-reduce's bytes.
+
 Both partitions share the extensions here: :func:`clip_grad_norm` (global norm, one all-reduce
 of one scalar) and sharded checkpoints (:mod:`dist_runtime.sharded_checkpoint`: every rank
 writes its own shard; any partition and world size reloads them).
@@ -62,6 +67,21 @@ class FlatPartition:
     def __init__(self, all_params: list[torch.Tensor], process_group: Any) -> None:
         self.shards = FlatShards(all_params, process_group)
         self.consolidated: dict[int, Any] | None = None
+        #: The gradients are local (unsynced): reduce-scatter them before each step.
+        self.reduce_grads = False
+        self._reduced = False
+
+    def prepare_grads(self) -> None:
+        """Give the pieces their gradients: reduce-scattered (once per step) or attached."""
+        if not self.reduce_grads:
+            self.shards.attach_local_grads()
+        elif not self._reduced:
+            self.shards.reduce_scatter_grads(average=True)
+            self._reduced = True
+
+    def step_done(self) -> None:
+        """The local step consumed the gradients; the next step reduces anew."""
+        self._reduced = False
 
     def local_param_groups(self, param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """This rank's groups, the pieces of its shards in place of the parameters."""
@@ -85,7 +105,7 @@ def shard_grads(zero: Any) -> list[torch.Tensor]:
     """The gradients this rank's local optimizer will read (attaching them in flat mode)."""
     flat: FlatPartition | None = getattr(zero, "_flat", None)
     if flat is not None:
-        flat.shards.attach_local_grads()
+        flat.prepare_grads()
     return [
         p.grad for group in zero.optim.param_groups for p in group["params"] if p.grad is not None
     ]
