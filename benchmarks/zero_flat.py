@@ -5,8 +5,11 @@ Sorted-greedy (torch's rule, also ours by default) must put the big layer on one
 rank holds almost all of the optimizer state; the flat partition cuts the concatenated
 parameters into equal shards. Reported per variant: per-rank optimizer-state bytes (max/min),
 median step time (local step + parameter sync; gradients already averaged as after DDP), and
-bytes written to sockets per step by each rank (from ``/proc/self/io``), plus the no-DDP
-variants: all-reduce + torch ZeRO against flat reduce-scatter + all-gather.
+bytes written to sockets per step by each rank (from ``/proc/self/io``), plus the variants
+that also sync the gradients: "DDP all-reduce + torch ZeRO" (an all-reduce of every gradient,
+then torch's step and broadcasts) against "flat ZeRO with reduce-scatter hook" (what
+``zero_flat_hook`` sets up: DDP sends nothing, the step reduce-scatters the gradients, on gloo
+round a ring of point-to-point sends, and all-gathers the parameters: one all-reduce's bytes).
 
 Usage: ``python benchmarks/zero_flat.py [--quick]``; ``main(argv) -> str`` returns the markdown.
 """
@@ -155,7 +158,7 @@ def _bench(rank: int, big: int, n_small: int, steps: int) -> dict[str, dict[str,
             dist.all_reduce(p.grad)
         torch_zero.step()
 
-    measure("torch, all-reduce grads first", allreduce_then_torch, torch_zero.optim)
+    measure("DDP all-reduce + torch ZeRO", allreduce_then_torch, torch_zero.optim)
 
     params = _model(big, n_small)
     ours = OurZeRO(params, torch.optim.Adam, lr=1e-3)
@@ -178,6 +181,13 @@ def _bench(rank: int, big: int, n_small: int, steps: int) -> dict[str, dict[str,
         shards.all_gather_params()
 
     measure("flat, reduce-scatter grads first", flat_reduce_step, flat_opt)
+
+    params = _model(big, n_small)
+    hooked = OurZeRO(params, torch.optim.Adam, partition="flat", lr=1e-3)
+    # What zero_flat_hook does to the optimizer (DDP with the hook sends nothing itself).
+    assert hooked._flat is not None
+    hooked._flat.reduce_grads = True
+    measure("flat ZeRO with reduce-scatter hook", hooked.step, hooked.optim)
     return results
 
 
