@@ -14,88 +14,14 @@ Usage: ``python benchmarks/averaging.py [--quick]``; ``main(argv) -> str`` retur
 
 from __future__ import annotations
 
-import argparse
-import os
-import queue
-import socket
 import statistics
 import time
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
-WORLD_SIZE = 2
-
-
-# -- spawning -------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _entry(rank: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out: Any) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=WORLD_SIZE,
-            timeout=timedelta(seconds=60),
-        )
-        out.put((rank, "ok", fn(rank, *args)))
-        dist.destroy_process_group()
-    except BaseException:
-        out.put((rank, "error", traceback.format_exc()))
-
-
-def _spawn(fn: Callable[..., Any], *args: Any, timeout_s: float) -> list[Any]:
-    """Run ``fn(rank, *args)`` on two fresh gloo ranks; results by rank; kill on timeout."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_entry, args=(rank, port, fn, args, out), daemon=True)
-        for rank in range(WORLD_SIZE)
-    ]
-    for proc in procs:
-        proc.start()
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) < WORLD_SIZE:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"benchmark ranks did not finish within {timeout_s:.0f} s")
-            try:
-                rank, status, value = out.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                if any(not p.is_alive() for p in procs) and out.empty():
-                    dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
-                    if dead:
-                        raise RuntimeError(f"benchmark ranks {dead} died") from None
-                continue
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-    return [results[r] for r in range(WORLD_SIZE)]
-
+from _harness import WORLD_SIZE, benchmark_parser, emit, median_ms, spawn, table
 
 # -- 1. averaging time ----------------------------------------------------------------------------
 
@@ -231,50 +157,59 @@ def _train(rank: int, period: int, seed: int, steps: int, warmup: int) -> dict[s
 # -- report ---------------------------------------------------------------------------------------
 
 
-def _ms(values: list[float]) -> float:
-    return 1e3 * statistics.median(values)
-
-
 def main(argv: list[str] | None = None) -> str:
     """Run the benchmark; print and return its markdown tables."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="smoke-test sizes (< 60 s)")
-    args = parser.parse_args(argv)
+    args = benchmark_parser(__doc__).parse_args(argv)
     reps = 3 if args.quick else 20
     seeds = [0] if args.quick else [0, 1, 2]
     steps, warmup = (300, 40) if args.quick else (1200, 100)
 
-    times = _spawn(_time_averaging, reps, timeout_s=120 if args.quick else 600)[0]
-    torch_ms, ours_ms, floor_ms = (_ms(times[k]) for k in ("torch", "ours", "floor"))
-    lines = [
-        f"### Parameter averaging, 10M params, {WORLD_SIZE} gloo ranks (median of {reps})",
-        "",
-        "| case | ours (ms) | torch (ms) | ratio |",
-        "|---|---:|---:|---:|",
-        f"| average_parameters | {ours_ms:.1f} | {torch_ms:.1f} | {ours_ms / torch_ms:.2f} |",
-        f"| floor: div + all-reduce of a flat buffer | {floor_ms:.1f} | {torch_ms:.1f} "
-        f"| {floor_ms / torch_ms:.2f} |",
-        "",
-        f"### Post-local SGD on digits, {WORLD_SIZE} ranks, {steps} steps, warm-up {warmup}, "
-        f"{len(seeds)} seed(s)",
-        "",
-        "| run | bytes all-reduced / step after warm-up | vs DDP | test accuracy |",
-        "|---|---:|---:|---:|",
+    times = spawn(_time_averaging, reps, timeout_s=120 if args.quick else 600, pg_timeout_s=60)[0]
+    torch_ms, ours_ms, floor_ms = (median_ms(times[k]) for k in ("torch", "ours", "floor"))
+    averaging_rows = [
+        ["average_parameters", f"{ours_ms:.1f}", f"{torch_ms:.1f}", f"{ours_ms / torch_ms:.2f}"],
+        [
+            "floor: div + all-reduce of a flat buffer",
+            f"{floor_ms:.1f}",
+            f"{torch_ms:.1f}",
+            f"{floor_ms / torch_ms:.2f}",
+        ],
     ]
+    training_rows = []
     ddp_bytes = None
     for label, period in (("DDP", 0), ("post-local SGD, period 4", 4), ("period 8", 8)):
-        runs = [_spawn(_train, period, seed, steps, warmup, timeout_s=120)[0] for seed in seeds]
+        runs = [
+            spawn(_train, period, seed, steps, warmup, timeout_s=120, pg_timeout_s=60)[0]
+            for seed in seeds
+        ]
         per_step = statistics.mean(r["bytes_per_step"] for r in runs)
         accs = [r["accuracy"] for r in runs]
         ddp_bytes = ddp_bytes or per_step
         spread = f" +- {statistics.stdev(accs):.3f}" if len(accs) > 1 else ""
-        lines.append(
-            f"| {label} | {per_step:,.0f} | {per_step / ddp_bytes:.3f} "
-            f"| {statistics.mean(accs):.3f}{spread} |"
+        training_rows.append(
+            [
+                label,
+                f"{per_step:,.0f}",
+                f"{per_step / ddp_bytes:.3f}",
+                f"{statistics.mean(accs):.3f}{spread}",
+            ]
         )
-    table = "\n".join(lines)
-    print(table)
-    return table
+    return emit(
+        [
+            f"### Parameter averaging, 10M params, {WORLD_SIZE} gloo ranks (median of {reps})",
+            "",
+            *table(["case", "ours (ms)", "torch (ms)", "ratio"], averaging_rows, "lrrr"),
+            "",
+            f"### Post-local SGD on digits, {WORLD_SIZE} ranks, {steps} steps, "
+            f"warm-up {warmup}, {len(seeds)} seed(s)",
+            "",
+            *table(
+                ["run", "bytes all-reduced / step after warm-up", "vs DDP", "test accuracy"],
+                training_rows,
+                "lrrr",
+            ),
+        ]
+    )
 
 
 if __name__ == "__main__":

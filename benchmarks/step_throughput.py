@@ -17,10 +17,7 @@ Usage: ``python benchmarks/step_throughput.py [--quick] [--threads N] [--repeats
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -29,22 +26,13 @@ import torch
 from torch import Tensor
 
 import functional_optim as fo
+from _harness import benchmark_parser, median_call_ms, table
 from functional_optim import kernels
 from functional_optim.functional import FunctionalAdam, FunctionalAdamW, FunctionalSGD
 
 LR = 1e-4
 BYTES_PER_PARAM = {"Adam": 28, "AdamW": 28, "SGD-momentum": 20}
-
-
-def _median_ms(step: Callable[[], Any], warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+HEADERS = ("algorithm", "tensors", "implementation", "ms/step", "x torch fused", "GB/s", "% stream")
 
 
 def _make(total: int, n_tensors: int, seed: int = 0) -> tuple[list[Tensor], list[Tensor]]:
@@ -58,7 +46,7 @@ def _make(total: int, n_tensors: int, seed: int = 0) -> tuple[list[Tensor], list
 def _stream_gbps(total: int, warmup: int, repeats: int) -> float:
     a, b = torch.rand(total), torch.rand(total) + 0.5
     b.reciprocal_()
-    ms = _median_ms(lambda: a.mul_(b), warmup, repeats)
+    ms = median_call_ms(lambda: a.mul_(b), warmup, repeats)
     return 12 * total / (ms * 1e-3) / 1e9
 
 
@@ -155,8 +143,7 @@ def _rescale_stream(line: str, stream: float, ratio: float) -> str:
 
 def main(argv: list[str] | None = None) -> str:
     """Run the benchmark and return its markdown table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1M params, few repeats")
+    parser = benchmark_parser(__doc__, "1M params, few repeats")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=3)
@@ -173,9 +160,8 @@ def main(argv: list[str] | None = None) -> str:
         "",
         f"In-place streaming bandwidth (`a.mul_(b)`, 12 B/elem): {stream:.1f} GB/s.",
         "",
-        "| algorithm | tensors | implementation | ms/step | x torch fused | GB/s | % stream |",
-        "|---|---:|---|---:|---:|---:|---:|",
     ]
+    rows: list[list[object]] = []
     notes: list[str] = []
     for algo in ("Adam", "AdamW", "SGD-momentum"):
         for n in layouts:
@@ -185,7 +171,7 @@ def main(argv: list[str] | None = None) -> str:
                 try:
                     step = build(algo, params, grads)
                     with torch.no_grad():
-                        ms = _median_ms(step, args.warmup, repeats)
+                        ms = median_call_ms(step, args.warmup, repeats)
                 except Exception as err:  # a missing row must not stop the run
                     notes.append(f"{label} / {algo} / {n}: skipped ({type(err).__name__}: {err})")
                     results.append((label, None))
@@ -194,15 +180,23 @@ def main(argv: list[str] | None = None) -> str:
             fused: float | None = dict(results)["torch fused=True"]
             for label, maybe_ms in results:
                 if maybe_ms is None:
-                    lines.append(f"| {algo} | {n} | {label} | n/a | | | |")
+                    rows.append([algo, n, label, "n/a", "", "", ""])
                     continue
                 ms = maybe_ms
                 gbps = BYTES_PER_PARAM[algo] * total / (ms * 1e-3) / 1e9
                 ratio = f"{ms / fused:.2f}" if fused else ""
-                lines.append(
-                    f"| {algo} | {n} | {label} | {ms:.2f} | {ratio} | {gbps:.1f} | "
-                    f"{100 * gbps / stream:.0f}% |"
+                rows.append(
+                    [
+                        algo,
+                        n,
+                        label,
+                        f"{ms:.2f}",
+                        ratio,
+                        f"{gbps:.1f}",
+                        f"{100 * gbps / stream:.0f}%",
+                    ]
                 )
+    lines += table(HEADERS, rows, "lrlrrrr")
     # The CPU is shared: take the better of a streaming measurement before and after the rows.
     stream_after = _stream_gbps(total, args.warmup, repeats)
     if stream_after > stream:
