@@ -26,6 +26,7 @@ import itertools
 import threading
 import warnings
 import weakref
+from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -151,7 +152,7 @@ def compile_class(cls: type) -> None:
             ) from exc
 
 
-class _LocalOptimizerBase:
+class _LocalOptimizerBase(ABC):
     """An optimizer over one worker's share of the parameters, guarded by their locks."""
 
     def __init__(self, params: list[Tensor]) -> None:
@@ -182,8 +183,9 @@ class _LocalOptimizerBase:
         for device in self._cuda_devices:
             torch.cuda.synchronize(device)
 
+    @abstractmethod
     def _step_locked(self, autograd_ctx_id: int) -> None:
-        raise NotImplementedError
+        """Apply the gradients of ``autograd_ctx_id``; the caller holds the locks."""
 
 
 class LocalOptimizer(_LocalOptimizerBase):

@@ -66,7 +66,6 @@ class ModelAverager(ABC):
         params: Iterable[torch.nn.Parameter] | Iterable[dict[str, torch.nn.Parameter]],
     ) -> None:
         """Average ``params`` (model parameters or optimizer parameter groups) if due."""
-        raise NotImplementedError
 
 
 class PeriodicModelAverager(ModelAverager):
