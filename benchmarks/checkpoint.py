@@ -16,7 +16,6 @@ Usage: ``python benchmarks/checkpoint.py [--quick]``; ``main(argv) -> str`` retu
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -27,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 # benchmarks/ is on sys.path when run as a script or by run_all.py.
-from zero_flat import WORLD_SIZE, spawn
+from _harness import WORLD_SIZE, benchmark_parser, emit, spawn, table
 
 
 def _status(key: str) -> int:
@@ -122,9 +121,7 @@ METHODS = {
 
 def main(argv: list[str] | None = None) -> str:
     """Run the benchmark; print and return its markdown table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="smoke-test sizes (< 60 s)")
-    args = parser.parse_args(argv)
+    args = benchmark_parser(__doc__).parse_args(argv)
     numel, layers, reps = (4 << 20, 16, 2) if args.quick else (32 << 20, 64, 5)
     root = tempfile.mkdtemp(prefix="ckpt-bench-")
     results: dict[str, list[list[float]]] = {}
@@ -140,16 +137,14 @@ def main(argv: list[str] | None = None) -> str:
         f"### Adam checkpoint of {numel / 1e6:.1f}M params ({layers} layers), {WORLD_SIZE} gloo "
         f"ranks, median of {reps}",
         "",
-        "| method | time s (slowest rank) | vs torch | peak extra MB on rank 0 |",
-        "|---|---:|---:|---:|",
     ]
+    rows = []
     for method, label in METHODS.items():
         seconds = max(r[0] for r in results[method])
         peak = results[method][0][1] / 1e6
-        lines.append(f"| {label} | {seconds:.3f} | {seconds / torch_s:.2f} | {peak:.1f} |")
-    table = "\n".join(lines)
-    print(table)
-    return table
+        rows.append([label, f"{seconds:.3f}", f"{seconds / torch_s:.2f}", f"{peak:.1f}"])
+    headers = ("method", "time s (slowest rank)", "vs torch", "peak extra MB on rank 0")
+    return emit(lines + table(headers, rows, "lrrr"))
 
 
 if __name__ == "__main__":

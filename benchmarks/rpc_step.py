@@ -16,87 +16,17 @@ Usage: ``python benchmarks/rpc_step.py [--quick]``; ``main(argv) -> str`` return
 
 from __future__ import annotations
 
-import argparse
-import os
-import queue
-import socket
-import statistics
 import threading
 import time
-import traceback
-from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
-WORLD_SIZE = 2
+from _harness import WORLD_SIZE, benchmark_parser, emit, median_ms, spawn_rpc, table
+
 NUM_PARAMS = 50
 PARAM_NUMEL = 100_000
 TRAINERS = 4
-
-# -- spawning -------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _entry(rank: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out: Any) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from torch.distributed import rpc
-
-    torch.set_num_threads(1)
-    try:
-        options = rpc.TensorPipeRpcBackendOptions(
-            init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=120, num_worker_threads=16
-        )
-        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=WORLD_SIZE, rpc_backend_options=options)  # type: ignore[no-untyped-call]
-        value = fn(rank, *args) if rank == 0 else None
-        rpc.shutdown(graceful=True, timeout=120)
-        out.put((rank, "ok", value))
-    except BaseException:
-        out.put((rank, "error", traceback.format_exc()))
-
-
-def _spawn(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
-    """Run ``fn(0, *args)`` on rank 0 of a fresh 2-rank RPC world; kill everything on timeout."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_entry, args=(rank, port, fn, args, out), daemon=True)
-        for rank in range(WORLD_SIZE)
-    ]
-    for proc in procs:
-        proc.start()
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) < WORLD_SIZE:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"benchmark ranks did not finish within {timeout_s:.0f} s")
-            try:
-                rank, status, value = out.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
-                if dead and out.empty():
-                    raise RuntimeError(f"benchmark ranks {dead} died") from None
-                continue
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-    return results[0]
-
 
 # -- owner side -----------------------------------------------------------------------------------
 
@@ -188,7 +118,7 @@ def _latency(opts: dict[str, Any], rrefs: list[Any], reps: int) -> dict[str, flo
                     times[impl].append(time.perf_counter() - start)
                 if before is not None and torch.equal(before, rrefs[0].to_here()):
                     raise RuntimeError(f"{impl}'s step did not update the parameters")
-    return {impl: statistics.median(t) * 1e3 for impl, t in times.items()}
+    return {impl: median_ms(t) for impl, t in times.items()}
 
 
 def _run(rank: int, reps: int, conc_steps: int) -> dict[str, Any]:
@@ -219,11 +149,9 @@ def _run(rank: int, reps: int, conc_steps: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> str:
     """Run the benchmark; print and return its markdown table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="smoke-test sizes (< 60 s)")
-    args = parser.parse_args(argv)
+    args = benchmark_parser(__doc__).parse_args(argv)
     reps, conc_steps = (15, 8) if args.quick else (100, 50)
-    results = _spawn(_run, reps, conc_steps, timeout_s=120 if args.quick else 900)
+    results = spawn_rpc(_run, reps, conc_steps, timeout_s=120 if args.quick else 900)[0]
     lines = [
         f"### DistributedOptimizer.step over RPC: {NUM_PARAMS} x {PARAM_NUMEL // 1000}k-float "
         f"params on 1 remote worker, {WORLD_SIZE} ranks",
@@ -231,19 +159,31 @@ def main(argv: list[str] | None = None) -> str:
         f"Latency: median of {reps} steps. Throughput: {TRAINERS} trainer threads x "
         f"{conc_steps} steps on the same params (torch's TorchScript path does not lock them).",
         "",
-        "| optimizer / path | ours (ms) | torch (ms) | latency ratio | ours steps/s "
-        "| torch steps/s | throughput ratio |",
-        "|---|---:|---:|---:|---:|---:|---:|",
     ]
+    rows = []
     for case, res in results.items():
         lat, thr = res["latency_ms"], res["steps_per_s"]
-        lines.append(
-            f"| {case} | {lat['ours']:.2f} | {lat['torch']:.2f} | {lat['ours'] / lat['torch']:.2f} "
-            f"| {thr['ours']:.0f} | {thr['torch']:.0f} | {thr['ours'] / thr['torch']:.2f} |"
+        rows.append(
+            [
+                case,
+                f"{lat['ours']:.2f}",
+                f"{lat['torch']:.2f}",
+                f"{lat['ours'] / lat['torch']:.2f}",
+                f"{thr['ours']:.0f}",
+                f"{thr['torch']:.0f}",
+                f"{thr['ours'] / thr['torch']:.2f}",
+            ]
         )
-    table = "\n".join(lines)
-    print(table)
-    return table
+    headers = (
+        "optimizer / path",
+        "ours (ms)",
+        "torch (ms)",
+        "latency ratio",
+        "ours steps/s",
+        "torch steps/s",
+        "throughput ratio",
+    )
+    return emit(lines + table(headers, rows, "lrrrrrr"))
 
 
 if __name__ == "__main__":

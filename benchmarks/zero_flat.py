@@ -16,83 +16,13 @@ Usage: ``python benchmarks/zero_flat.py [--quick]``; ``main(argv) -> str`` retur
 
 from __future__ import annotations
 
-import argparse
-import os
-import queue
-import socket
 import statistics
 import time
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
-from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
-WORLD_SIZE = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _entry(rank: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out: Any) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=WORLD_SIZE,
-            timeout=timedelta(seconds=120),
-        )
-        out.put((rank, "ok", fn(rank, *args)))
-        dist.destroy_process_group()
-    except BaseException:
-        out.put((rank, "error", traceback.format_exc()))
-
-
-def spawn(fn: Callable[..., Any], *args: Any, timeout_s: float) -> list[Any]:
-    """Run ``fn(rank, *args)`` on fresh gloo ranks; results by rank; kill on timeout."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_entry, args=(rank, port, fn, args, out), daemon=True)
-        for rank in range(WORLD_SIZE)
-    ]
-    for proc in procs:
-        proc.start()
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) < WORLD_SIZE:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"benchmark ranks did not finish within {timeout_s:.0f} s")
-            try:
-                rank, status, value = out.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
-                if dead and out.empty():
-                    raise RuntimeError(f"benchmark ranks {dead} died") from None
-                continue
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-    return [results[r] for r in range(WORLD_SIZE)]
+from _harness import WORLD_SIZE, benchmark_parser, emit, spawn, state_bytes, table
 
 
 def socket_bytes_written() -> int:
@@ -115,15 +45,6 @@ def _model(big: int, n_small: int) -> list[torch.Tensor]:
     return params
 
 
-def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(
-        v.numel() * v.element_size()
-        for state in optimizer.state.values()
-        for v in state.values()
-        if isinstance(v, torch.Tensor)
-    )
-
-
 def _bench(rank: int, big: int, n_small: int, steps: int) -> dict[str, dict[str, float]]:
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
@@ -144,7 +65,7 @@ def _bench(rank: int, big: int, n_small: int, steps: int) -> dict[str, dict[str,
             sent.append(socket_bytes_written() - before)
         results[name] = {
             "ms": 1e3 * statistics.median(times),
-            "state": float(_state_bytes(optimizer)),
+            "state": float(state_bytes(optimizer)),
             "sent": float(statistics.median(sent)),
         }
 
@@ -193,9 +114,7 @@ def _bench(rank: int, big: int, n_small: int, steps: int) -> dict[str, dict[str,
 
 def main(argv: list[str] | None = None) -> str:
     """Run the benchmark; print and return its markdown table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="smoke-test sizes (< 60 s)")
-    args = parser.parse_args(argv)
+    args = benchmark_parser(__doc__).parse_args(argv)
     big, steps = (1 << 21, 3) if args.quick else (1 << 24, 10)
     per_rank = spawn(_bench, big, 200, steps, timeout_s=300 if args.quick else 1200)
     names = list(per_rank[0])
@@ -204,22 +123,31 @@ def main(argv: list[str] | None = None) -> str:
         f"### Skewed model ({big / 1e6:.1f}M-param layer + 200 small), Adam, {WORLD_SIZE} gloo "
         f"ranks, median of {steps} steps",
         "",
-        "| variant | state MB per rank | max/min | step ms (slowest rank) | vs torch "
-        "| MB sent per step (per rank) |",
-        "|---|---|---:|---:|---:|---|",
     ]
+    rows = []
     for name in names:
         states = [r[name]["state"] for r in per_rank]
         ms = max(r[name]["ms"] for r in per_rank)
-        sent = " / ".join(f"{r[name]['sent'] / 1e6:.1f}" for r in per_rank)
         ratio = max(states) / min(states) if min(states) > 0 else float("inf")
-        lines.append(
-            f"| {name} | {' / '.join(f'{s / 1e6:.1f}' for s in states)} | {ratio:.4f} "
-            f"| {ms:.1f} | {ms / torch_ms:.2f} | {sent} |"
+        rows.append(
+            [
+                name,
+                " / ".join(f"{s / 1e6:.1f}" for s in states),
+                f"{ratio:.4f}",
+                f"{ms:.1f}",
+                f"{ms / torch_ms:.2f}",
+                " / ".join(f"{r[name]['sent'] / 1e6:.1f}" for r in per_rank),
+            ]
         )
-    table = "\n".join(lines)
-    print(table)
-    return table
+    headers = (
+        "variant",
+        "state MB per rank",
+        "max/min",
+        "step ms (slowest rank)",
+        "vs torch",
+        "MB sent per step (per rank)",
+    )
+    return emit(lines + table(headers, rows, "llrrrl"))
 
 
 if __name__ == "__main__":
