@@ -3,7 +3,8 @@
 Two gloo ranks, Adam state of a model of many mid-sized layers after one step:
 
 - torch: ``ZeroRedundancyOptimizer.consolidate_state_dict(0)`` then ``torch.save`` on rank 0;
-- flat, streamed: our streaming consolidation (one shard at a time, to CPU) then ``torch.save``;
+- flat, streamed: our streaming consolidation (values received straight into the result on the
+  CPU) then ``torch.save``;
 - sharded: :func:`dist_runtime.sharded_checkpoint.save_optimizer_shards`, every rank writing its
   own shard with torch.distributed.checkpoint, then the atomic ``LATEST`` switch.
 

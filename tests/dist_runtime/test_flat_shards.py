@@ -9,6 +9,7 @@ all_reduce and for its bytes sent here).
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -222,7 +223,13 @@ def _consolidate(
         shards.attach_local_grads()
         opt.step()
         shards.all_gather_params()
-    return consolidate_piece_states(opt, shards.piece_info, to=to)
+    state = consolidate_piece_states(opt, shards.piece_info, to=to)
+    snapshot = copy.deepcopy(state)
+    shards.attach_local_grads()
+    opt.step()  # the consolidated state is a copy: later steps leave it alone
+    if state is not None:
+        _assert_state_equal(state, snapshot)  # type: ignore[arg-type]
+    return state
 
 
 def _load_and_continue(

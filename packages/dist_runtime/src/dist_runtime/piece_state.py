@@ -21,7 +21,9 @@ import torch
 
 __all__ = [
     "SCALAR_STATE_NAMES",
+    "Incoming",
     "Piece",
+    "PieceJoiner",
     "is_elementwise",
     "join_piece_states",
     "place_state",
@@ -102,14 +104,139 @@ def split_param_state(
     return out
 
 
+class _Joined:
+    """The state of one parameter being assembled from its pieces."""
+
+    def __init__(self, shape: tuple[int, ...], names: list[str]) -> None:
+        self.shape = shape
+        self.names = names
+        self.values: dict[str, Any] = {}
+        self.first_start = _numel(shape) + 1  # scalars come from the lowest piece
+        self.covered: list[tuple[int, int]] = []
+
+
+class Incoming(NamedTuple):
+    """Marks an elementwise piece value still to arrive (see :meth:`PieceJoiner.slots`).
+
+    Attributes:
+        dtype: the value's dtype.
+    """
+
+    dtype: torch.dtype
+
+
+class PieceJoiner:
+    """Assemble torch-format parameter states from piece states as they arrive.
+
+    Each piece's elementwise values go once into a buffer of the whole parameter's size (a
+    whole-parameter value given to :meth:`add` is kept as it is), so a caller can drop every
+    piece after :meth:`add`, or receive values straight into the buffers that :meth:`slots`
+    hands out: the joined states plus at most one piece are all that is ever held.
+    """
+
+    def __init__(self) -> None:
+        self._joined: dict[int, _Joined] = {}
+
+    def _register(self, piece: Piece, names: list[str]) -> _Joined:
+        joined = self._joined.get(piece.param_index)
+        if joined is None:
+            joined = self._joined[piece.param_index] = _Joined(piece.shape, names)
+        elif names != joined.names:
+            raise ValueError("pieces of one parameter hold different state names")
+        joined.covered.append((piece.start, piece.stop))
+        return joined
+
+    def _keep_scalar(self, joined: _Joined, piece: Piece, name: str, value: Any) -> None:
+        if piece.start <= joined.first_start:
+            joined.values[name] = _copy(value)
+
+    def add(self, piece: Piece, state: Mapping[str, Any]) -> None:
+        """File the state of ``piece`` (1-D elementwise values) under its parameter.
+
+        Raises:
+            ValueError: if the pieces of one parameter disagree on the state names.
+        """
+        joined = self._register(piece, list(state))
+        numel = _numel(piece.shape)
+        for name, value in state.items():
+            if not is_elementwise(name, value, (piece.numel,)):
+                self._keep_scalar(joined, piece, name, value)
+                continue
+            flat = value.detach().reshape(-1)
+            if piece.whole:
+                joined.values[name] = flat
+                continue
+            buffer = joined.values.get(name)
+            if buffer is None:
+                buffer = joined.values[name] = flat.new_empty(numel)
+            buffer[piece.start : piece.stop].copy_(flat)
+        joined.first_start = min(joined.first_start, piece.start)
+
+    def slots(self, piece: Piece, state: Mapping[str, Any]) -> list[torch.Tensor]:
+        """File ``piece``'s scalars; return where its :class:`Incoming` values are to be written.
+
+        Args:
+            piece: where the state lies in its parameter.
+            state: the piece's state with :class:`Incoming` markers for the elementwise values.
+
+        Returns:
+            For each marker in ``state`` order, the 1-D CPU tensor of ``piece.numel`` elements
+            (a view of the joined buffer) that the value must be copied or received into.
+
+        Raises:
+            ValueError: if the pieces of one parameter disagree on the state names.
+        """
+        joined = self._register(piece, list(state))
+        numel = _numel(piece.shape)
+        out = []
+        for name, value in state.items():
+            if not isinstance(value, Incoming):
+                self._keep_scalar(joined, piece, name, value)
+                continue
+            buffer = joined.values.get(name)
+            if buffer is None:
+                buffer = joined.values[name] = torch.empty(numel, dtype=value.dtype)
+            out.append(buffer[piece.start : piece.stop])
+        joined.first_start = min(joined.first_start, piece.start)
+        return out
+
+    def finish(self) -> dict[int, dict[str, Any]]:
+        """The joined states by parameter index, sorted, elementwise values parameter-shaped.
+
+        Raises:
+            ValueError: if the pieces of a parameter do not tile it.
+        """
+        out: dict[int, dict[str, Any]] = {}
+        for index in sorted(self._joined):
+            joined = self._joined[index]
+            numel = _numel(joined.shape)
+            position = 0
+            for start, stop in sorted(joined.covered):
+                if start != position:
+                    raise ValueError(f"pieces leave a gap or overlap at element {position}")
+                position = stop
+            if position != numel:
+                raise ValueError(f"pieces cover {position} of the parameter's {numel} elements")
+            out[index] = {
+                name: (
+                    joined.values[name].reshape(joined.shape)
+                    if is_elementwise(name, joined.values[name], (numel,))
+                    else joined.values[name]
+                )
+                for name in joined.names
+            }
+        self._joined.clear()
+        return out
+
+
 def join_piece_states(
     parts: Sequence[tuple[int, int, Mapping[str, Any]]], shape: Sequence[int]
 ) -> dict[str, Any]:
     """Join piece states (1-D elementwise values) into one torch-format parameter state.
 
     Args:
-        parts: ``(start, stop, state)`` for pieces that together cover the parameter; they are
-            joined in ``start`` order, scalars taken from the first piece.
+        parts: ``(start, stop, state)`` for pieces that together cover the parameter; scalars
+            are taken from the piece that starts first.
         shape: the parameter's shape.
 
     Returns:
@@ -118,29 +245,12 @@ def join_piece_states(
     Raises:
         ValueError: if the pieces do not tile ``[0, numel)`` or disagree on the state names.
     """
-    ordered = sorted(parts, key=lambda part: part[0])
-    numel = _numel(shape)
-    position = 0
-    for start, stop, _ in ordered:
-        if start != position:
-            raise ValueError(f"pieces leave a gap or overlap at element {position}")
-        position = stop
-    if position != numel or not ordered:
-        raise ValueError(f"pieces cover {position} of the parameter's {numel} elements")
-    names = list(ordered[0][2])
-    if any(list(state) != names for _, _, state in ordered):
-        raise ValueError("pieces of one parameter hold different state names")
-    joined: dict[str, Any] = {}
-    for name in names:
-        first = ordered[0][2][name]
-        piece_shape = (ordered[0][1] - ordered[0][0],)
-        if is_elementwise(name, first, piece_shape):
-            values = [state[name].detach().reshape(-1) for _, _, state in ordered]
-            # One piece (a whole parameter) is reshaped without a copy.
-            joined[name] = (values[0] if len(values) == 1 else torch.cat(values)).reshape(shape)
-        else:
-            joined[name] = _copy(first)
-    return joined
+    if not parts:
+        raise ValueError(f"pieces cover 0 of the parameter's {_numel(shape)} elements")
+    joiner = PieceJoiner()
+    for start, stop, state in parts:
+        joiner.add(Piece(0, start, stop, tuple(shape)), state)
+    return joiner.finish()[0]
 
 
 def place_state(

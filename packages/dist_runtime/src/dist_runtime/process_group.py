@@ -7,6 +7,7 @@ instead of a hang or a cryptic message when the default group was never initiali
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ __all__ = [
     "require_initialized",
     "resolve_group",
     "send_object",
+    "wait_work",
 ]
 
 
@@ -160,3 +162,27 @@ def recv_object(
     holder: list[Any] = [None]
     dist.recv_object_list(holder, group=group, device=device, group_src=src_rank_in_group)
     return holder[0]
+
+
+def wait_work(work: dist.Work | None, timeout: timedelta | None, what: str, hint: str = "") -> None:
+    """Wait for an asynchronous send, receive or collective; fail clearly instead of hanging.
+
+    Args:
+        work: the request (None, as p2p calls return on ranks outside the group: no wait).
+        timeout: the longest wait (None: the process group's own timeout).
+        what: what the request does, for the message (``"receive from group rank 1"``).
+        hint: a sentence appended to the message (what usually causes it).
+
+    Raises:
+        RuntimeError: if the request fails or does not finish in time.
+    """
+    if work is None:
+        return
+    suffix = f"; {hint}" if hint else ""
+    after = f" after {timeout}" if timeout is not None else ""
+    try:
+        done = work.wait() if timeout is None else work.wait(timeout)
+    except RuntimeError as e:
+        raise RuntimeError(f"{what} failed or timed out{after} ({e}){suffix}") from e
+    if done is False:
+        raise RuntimeError(f"{what} did not finish{after}{suffix}")

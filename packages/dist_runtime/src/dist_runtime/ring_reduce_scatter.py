@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from dist_runtime.process_group import group_rank, group_size, resolve_group
+from dist_runtime.process_group import group_rank, group_size, resolve_group, wait_work
 
 __all__ = ["ring_reduce_scatter"]
 
@@ -34,21 +34,11 @@ __all__ = ["ring_reduce_scatter"]
 RING_TAG = 0x52494E47  # "RING"
 
 
+_HINT = "is every rank of the group calling it with the same buffer size?"
+
+
 def _wait(work: dist.Work | None, timeout: timedelta, what: str) -> None:
-    if work is None:
-        return
-    try:
-        done = work.wait(timeout)
-    except RuntimeError as e:
-        raise RuntimeError(
-            f"ring reduce-scatter: {what} failed or timed out after {timeout} ({e}); is every "
-            "rank of the group calling it with the same buffer size?"
-        ) from e
-    if done is False:
-        raise RuntimeError(
-            f"ring reduce-scatter: {what} did not finish within {timeout}; is every rank of the "
-            "group calling it with the same buffer size?"
-        )
+    wait_work(work, timeout, f"ring reduce-scatter: {what}", _HINT)
 
 
 def ring_reduce_scatter(

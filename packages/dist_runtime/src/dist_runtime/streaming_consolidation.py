@@ -2,11 +2,11 @@
 
 torch's ``ZeroRedundancyOptimizer.consolidate_state_dict`` broadcasts every rank's state and
 keeps it on the receiving rank's device until the end (pytorch issue 68181: the target rank needs
-room for the whole optimizer state on its GPU). Here each rank moves its own piece states to the
-CPU before sending, and the receiving rank takes one rank's shard at a time, files it into CPU
-accumulators and drops it before the next: the extra device memory on the receiver is at most
-one shard's serialized bytes (only with NCCL, which stages them there), and the result is the
-torch-format ``state`` of a plain optimizer over all the parameters, whatever the partition.
+room for the whole optimizer state on its GPU). Here each sender sends a small pickled index of
+its pieces, then their values point to point, and the receiving rank receives them straight into
+the CPU buffers of the result (through a piece-sized buffer on the GPU with NCCL). The extra
+memory on the receiver is the index and at most one piece, and the result is the torch-format
+``state`` of a plain optimizer over all the parameters, whatever the partition.
 
 The inverse, :func:`load_global_state`, hands each local tensor its slice of a torch-format
 state and places ``step`` where fused/capturable optimizers expect it (pytorch issue 124133).
@@ -18,15 +18,24 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from dist_runtime.piece_state import Piece, join_piece_states, place_state, split_param_state
+from dist_runtime.piece_state import (
+    Incoming,
+    Piece,
+    PieceJoiner,
+    is_elementwise,
+    place_state,
+    split_param_state,
+)
 from dist_runtime.process_group import (
     group_rank,
     group_size,
     recv_object,
     resolve_group,
     send_object,
+    wait_work,
 )
 
 __all__ = [
@@ -39,6 +48,17 @@ __all__ = [
 #: ``(piece, state)`` pairs, states with 1-D elementwise values on the CPU.
 PieceStates = list[tuple[Piece, dict[str, Any]]]
 
+#: Tag of the point-to-point messages of a consolidation.
+CONSOLIDATION_TAG = 0x434F4E53  # "CONS"
+
+
+def _on_cpu(value: Any, copy: bool) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.device.type != "cpu":
+        return value.cpu()
+    return value.clone() if copy else value
+
 
 def local_piece_states(
     optimizer: torch.optim.Optimizer, pieces: Mapping[torch.Tensor, Piece], copy: bool = True
@@ -48,8 +68,8 @@ def local_piece_states(
     Args:
         optimizer: the local optimizer.
         pieces: where each of its tensors lies in the global parameters.
-        copy: copy CPU tensors (False: share them with the live state, as torch's
-            consolidation does for the receiving rank's own state).
+        copy: copy CPU tensors (False: share them with the live state). Tensors on another
+            device are copied to the CPU either way, once.
 
     Returns:
         One entry per tensor that has state, in ``pieces`` order.
@@ -59,10 +79,73 @@ def local_piece_states(
         state = optimizer.state.get(tensor)
         if not state:
             continue
-        flat = split_param_state(state, tuple(tensor.shape), 0, tensor.numel(), copy=copy)
-        cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
-        out.append((piece, cpu))
+        flat = split_param_state(state, tuple(tensor.shape), 0, tensor.numel(), copy=False)
+        out.append((piece, {k: _on_cpu(v, copy) for k, v in flat.items()}))
     return out
+
+
+_HINT = "are all ranks of the group consolidating with the same parameters?"
+
+
+def _outgoing(
+    optimizer: torch.optim.Optimizer, pieces: Mapping[torch.Tensor, Piece]
+) -> tuple[PieceStates, list[torch.Tensor]]:
+    """This rank's piece states with :class:`Incoming` markers, and the marked values in order."""
+    entries: PieceStates = []
+    values: list[torch.Tensor] = []
+    for tensor, piece in pieces.items():
+        state = optimizer.state.get(tensor)
+        if not state:
+            continue
+        flat = split_param_state(state, tuple(tensor.shape), 0, tensor.numel(), copy=False)
+        entry: dict[str, Any] = {}
+        for name, value in flat.items():
+            if is_elementwise(name, value, (piece.numel,)):
+                entry[name] = Incoming(value.dtype)
+                values.append(value)
+            else:
+                entry[name] = _on_cpu(value, copy=True)
+        entries.append((piece, entry))
+    return entries, values
+
+
+def _send_shard(
+    optimizer: torch.optim.Optimizer,
+    pieces: Mapping[torch.Tensor, Piece],
+    to: int,
+    group: ProcessGroup,
+    device: torch.device | None,
+) -> None:
+    entries, values = _outgoing(optimizer, pieces)
+    send_object(entries, to, group, device)
+    wire = device or torch.device("cpu")
+    works = [
+        dist.isend(value.to(wire).contiguous(), group=group, group_dst=to, tag=CONSOLIDATION_TAG)
+        for value in values
+    ]
+    for work in works:
+        wait_work(work, None, f"consolidation: send to group rank {to}", _HINT)
+
+
+def _receive_shard(
+    joiner: PieceJoiner, src: int, group: ProcessGroup, device: torch.device | None
+) -> None:
+    entries: PieceStates = recv_object(src, group, device)
+    slots = [slot for piece, entry in entries for slot in joiner.slots(piece, entry)]
+    if device is None or device.type == "cpu":
+        # Straight into the joined buffers: nothing is staged.
+        works = [
+            dist.irecv(slot, group=group, group_src=src, tag=CONSOLIDATION_TAG) for slot in slots
+        ]
+    else:  # one piece on the device at a time
+        works = []
+        for slot in slots:
+            staged = torch.empty(slot.shape, dtype=slot.dtype, device=device)
+            work = dist.irecv(staged, group=group, group_src=src, tag=CONSOLIDATION_TAG)
+            wait_work(work, None, f"consolidation: receive from group rank {src}")
+            slot.copy_(staged)
+    for work in works:
+        wait_work(work, None, f"consolidation: receive from group rank {src}", _HINT)
 
 
 def consolidate_piece_states(
@@ -74,15 +157,17 @@ def consolidate_piece_states(
 ) -> dict[int, dict[str, Any]] | None:
     """Gather every rank's piece states on group rank ``to`` as a torch-format ``state``.
 
-    Call on all ranks of the group. Senders send once (point to point); the receiver takes the
-    ranks in order, one shard in memory at a time.
+    Call on all ranks of the group. Each sender sends a small pickled index of its pieces, then
+    the values point to point; the receiver takes the ranks in order and receives the values
+    straight into the joined CPU buffers (through one piece-sized buffer on ``device`` when it
+    is not the CPU), so nothing but the result and at most one piece is ever held.
 
     Args:
         optimizer: this rank's local optimizer.
         pieces: where each of its tensors lies in the global parameters.
         to: the receiving group rank.
         process_group: the group (None for WORLD).
-        device: staging device for the pickled bytes (CUDA for NCCL groups).
+        device: the device tensors travel on (CUDA for NCCL groups; None for the CPU).
 
     Returns:
         On ``to``: ``{global index: state}`` sorted by index, elementwise values shaped like
@@ -97,21 +182,17 @@ def consolidate_piece_states(
     if not 0 <= to < world_size:
         raise ValueError(f"`to` must be a rank in [0, {world_size}), got {to}")
     if rank != to:
-        send_object(local_piece_states(optimizer, pieces), to, group, device)
+        _send_shard(optimizer, pieces, to, group, device)
         return None
-    parts: dict[int, list[tuple[int, int, dict[str, Any]]]] = {}
-    shapes: dict[int, tuple[int, ...]] = {}
+    joiner = PieceJoiner()
     for src in range(world_size):
-        received: PieceStates = (
-            local_piece_states(optimizer, pieces)
-            if src == rank
-            else recv_object(src, group, device)
-        )
-        for piece, state in received:
-            parts.setdefault(piece.param_index, []).append((piece.start, piece.stop, state))
-            shapes[piece.param_index] = piece.shape
-        del received  # at most one shard in flight
-    return {index: join_piece_states(parts.pop(index), shapes[index]) for index in sorted(parts)}
+        if src != rank:
+            _receive_shard(joiner, src, group, device)
+            continue
+        # The receiver's own state is copied once (later steps must not change the result).
+        for piece, state in local_piece_states(optimizer, pieces):
+            joiner.add(piece, state)
+    return joiner.finish()
 
 
 def load_global_state(
