@@ -130,6 +130,33 @@ def test_functional_optim_map_is_shared_and_complete() -> None:
         assert compat_api.functional_optim_map[torch_cls] is functional_cls
 
 
+FUNCTIONAL_MODULES = {
+    "adadelta": "Adadelta",
+    "adagrad": "Adagrad",
+    "adam": "Adam",
+    "adamax": "Adamax",
+    "adamw": "AdamW",
+    "rmsprop": "RMSprop",
+    "rprop": "Rprop",
+    "sgd": "SGD",
+}
+
+
+@pytest.mark.parametrize(("module", "cls"), sorted(FUNCTIONAL_MODULES.items()))
+def test_private_functional_names_mirror_torch(module: str, cls: str) -> None:
+    name = f"_Functional{cls}"
+    theirs = getattr(_import_quietly(f"torch.distributed.optim.functional_{module}"), name)
+    ours = getattr(importlib.import_module(f"compat_api.functional_{module}"), name)
+    assert getattr(compat_api, name) is ours
+    assert compat_api.functional_optim_map[getattr(torch.optim, cls)] is ours
+    their_sig, our_sig = inspect.signature(theirs.__init__), inspect.signature(ours.__init__)
+    assert [(n, p.default, p.kind) for n, p in our_sig.parameters.items()] == [
+        (n, p.default, p.kind) for n, p in their_sig.parameters.items()
+    ]
+    public = {n for n in dir(theirs) if not n.startswith("__")}
+    assert public <= set(dir(ours)), public - set(dir(ours))
+
+
 def _imported_modules(package_dir: pathlib.Path) -> set[str]:
     modules: set[str] = set()
     for path in package_dir.rglob("*.py"):
