@@ -99,6 +99,15 @@ def _sync_worker(rank: int, world_size: int, transposed: bool) -> int:
     for owner, params in enumerate(per_rank):
         for position, param in enumerate(params):
             assert torch.equal(param, torch.full(param.shape, owner * 1000.0 + position + 0.5))
+    # And after ``param.data`` is re-pointed at new storage: in-place sends follow it.
+    for owner, params in enumerate(per_rank):
+        for position, param in enumerate(params):
+            fill = owner * 1000.0 + position + 0.25 if owner == rank else -7.0
+            param.data = torch.full(param.shape, fill)
+    sync.sync()
+    for owner, params in enumerate(per_rank):
+        for position, param in enumerate(params):
+            assert torch.equal(param, torch.full(param.shape, owner * 1000.0 + position + 0.25))
     return sync.num_collectives
 
 

@@ -96,16 +96,29 @@ class _Chunk:
     params: list[torch.Tensor]
     buffer: torch.Tensor | None = None
     numels: list[int] = field(default_factory=list)
+    direct: torch.Tensor | None = None
 
     def tensor(self) -> torch.Tensor:
         """The tensor handed to the collective (allocating the pack buffer on first use)."""
         if self.buffer is None and len(self.params) == 1 and self.params[0].is_contiguous():
-            return self.params[0].data
+            return self._alias(self.params[0])
         if self.buffer is None:
             first = self.params[0]
             self.numels = [p.numel() for p in self.params]
             self.buffer = torch.empty(sum(self.numels), dtype=first.dtype, device=first.device)
         return self.buffer
+
+    def _alias(self, param: torch.Tensor) -> torch.Tensor:
+        """A detached alias of ``param``, kept while it still views the parameter's data.
+
+        Handing the collective a long-lived tensor (not a fresh ``param.data`` that dies when
+        this call returns) means gloo's worker thread never drops the last reference to a
+        Python tensor, which aborts the process if that happens during interpreter shutdown.
+        """
+        alias = self.direct
+        if alias is None or alias.data_ptr() != param.data_ptr() or alias.shape != param.shape:
+            alias = self.direct = param.detach()
+        return alias
 
     def pack(self) -> torch.Tensor:
         """Fill the buffer from the parameters (on the owner) and return the tensor to send."""
