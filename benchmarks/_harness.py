@@ -3,7 +3,8 @@
 - :func:`spawn` / :func:`spawn_rpc` start a fresh gloo process group or TensorPipe RPC world of
   ``world_size`` processes on a free 127.0.0.1 port, run a module-level function on the ranks,
   collect the per-rank results, and kill every process on timeout or error (no strays).
-- :func:`slowest_rank_seconds`, :func:`median_ms`, :func:`median_call_ms`: timing.
+- :func:`slowest_rank_seconds`, :func:`median_ms`, :func:`median_call_ms`,
+  :func:`interleaved_median_ms`: timing.
 - :func:`table` / :func:`emit`: markdown rendering.
 - :func:`benchmark_parser`: the ``--quick`` option every benchmark takes.
 
@@ -224,6 +225,28 @@ def median_call_ms(step: Callable[[], Any], warmup: int, repeats: int) -> float:
         step()
         times.append(time.perf_counter() - start)
     return median_ms(times)
+
+
+def interleaved_median_ms(
+    steps: dict[str, Callable[[], Any]], warmup: int, repeats: int
+) -> dict[str, float]:
+    """Median ms of each step, timed in rounds of one call each (rotating order).
+
+    Alternating the contenders means a change of machine load hits all of them alike, instead
+    of whichever happened to run during it.
+    """
+    names = list(steps)
+    for name in names:
+        for _ in range(warmup):
+            steps[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(repeats):
+        shift = round_index % len(names) if names else 0
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            steps[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: median_ms(t) for name, t in times.items()}
 
 
 def slowest_rank_seconds(fn: Callable[[], Any]) -> float:

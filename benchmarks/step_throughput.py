@@ -7,7 +7,9 @@ For 10M float32 parameters split into 100 and into 1000 tensors, it times one ``
 * ours: the kernel with ``impl="auto"`` on prebuilt lists, ``functional_optim.FunctionalX.step``
   and, when available, ``functional_optim.Optimizer(params, functional_optim.<alias>(...))``.
 
-Each row reports the median ms/step after warm-up, the ratio to torch fused, and the effective
+The implementations are timed in alternating rounds (one step each, rotating order), so load
+changes on the shared machine hit all of them alike. Each row reports the median ms/step after
+warm-up, the ratio to torch fused, and the effective
 bandwidth (Adam/AdamW move >= 28 bytes/param: param r/w, grad r, two moments r/w; SGD-momentum
 20) against a measured in-place streaming bandwidth (``a.mul_(b)``, 12 bytes/element).
 
@@ -26,7 +28,7 @@ import torch
 from torch import Tensor
 
 import functional_optim as fo
-from _harness import benchmark_parser, median_call_ms, table
+from _harness import benchmark_parser, interleaved_median_ms, median_call_ms, table
 from functional_optim import kernels
 from functional_optim.functional import FunctionalAdam, FunctionalAdamW, FunctionalSGD
 
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> str:
     stream = _stream_gbps(total, args.warmup, repeats)
     lines = [
         f"### Optimizer step throughput: {total / 1e6:g}M float32 params, "
-        f"{args.threads} thread(s), median of {repeats}",
+        f"{args.threads} thread(s), median of {repeats} alternating rounds",
         "",
         f"In-place streaming bandwidth (`a.mul_(b)`, 12 B/elem): {stream:.1f} GB/s.",
         "",
@@ -166,17 +168,18 @@ def main(argv: list[str] | None = None) -> str:
     for algo in ("Adam", "AdamW", "SGD-momentum"):
         for n in layouts:
             params, grads = _make(total, n)
-            results: list[tuple[str, float | None]] = []
+            steps: dict[str, Callable[[], Any]] = {}
             for label, build in ROWS:
                 try:
-                    step = build(algo, params, grads)
-                    with torch.no_grad():
-                        ms = median_call_ms(step, args.warmup, repeats)
+                    steps[label] = build(algo, params, grads)
                 except Exception as err:  # a missing row must not stop the run
                     notes.append(f"{label} / {algo} / {n}: skipped ({type(err).__name__}: {err})")
-                    results.append((label, None))
-                    continue
-                results.append((label, ms))
+            with torch.no_grad():
+                medians = interleaved_median_ms(steps, args.warmup, repeats)
+            del steps
+            results: list[tuple[str, float | None]] = [
+                (label, medians.get(label)) for label, _ in ROWS
+            ]
             fused: float | None = dict(results)["torch fused=True"]
             for label, maybe_ms in results:
                 if maybe_ms is None:
