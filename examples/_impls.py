@@ -1,9 +1,8 @@
 """Which classes the examples call "ours" and "torch".
 
 Each example runs the same training twice, once with torch's ``torch.distributed.optim`` classes
-and once with ours, so the two can be compared step by step. ``OURS`` points at ``compat_api``
-for every class that has landed there; a class that has not landed yet is a *stand-in* (torch's
-own class) and is reported as such in every table the examples print.
+and once with ours (``compat_api``), so the two can be compared step by step; every table the
+examples print names the module each side's classes come from.
 """
 
 from __future__ import annotations
@@ -36,11 +35,8 @@ class Implementation:
     DistributedOptimizer: type[Any]
 
     def source(self, attribute: str) -> str:
-        """Return the module that provides ``attribute``, marking torch stand-ins on our side."""
-        module = str(getattr(self, attribute).__module__)
-        if self.name == "ours" and module.startswith("torch."):
-            return f"{module} (stand-in)"
-        return module
+        """Return the module that provides ``attribute``."""
+        return str(getattr(self, attribute).__module__)
 
 
 TORCH = Implementation(
@@ -53,7 +49,6 @@ TORCH = Implementation(
     DistributedOptimizer=torch_optim.DistributedOptimizer,
 )
 
-# Switched to compat_api class by class as each one lands; torch's class stands in until then.
 OURS = Implementation(
     name="ours",
     ZeroRedundancyOptimizer=ours_zero.ZeroRedundancyOptimizer,

@@ -125,11 +125,8 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _implementation(run: dict[str, Any]) -> str:
-    sources = sorted(set(run["implementation"].values()))
-    if run["side"] == "torch":
-        return "torch"
-    stand_ins = [source for source in sources if source.endswith("(stand-in)")]
-    return "torch (stand-in)" if stand_ins else "compat_api"
+    roots = {source.partition(".")[0] for source in run["implementation"].values()}
+    return " + ".join(sorted(roots)) or run["side"]
 
 
 def _torch_twin(run: dict[str, Any], runs: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
@@ -153,8 +150,7 @@ HEADERS = [
     "comm/step",
 ]
 NOTES = (
-    "impl: 'compat_api' = our classes; 'torch (stand-in)' = ours has not landed yet, torch's "
-    "runs in its place.\n"
+    "impl: the package the run's distributed-optimizer classes come from.\n"
     "vs torch: our step time / torch's, measured in the same job, steps interleaved.\n"
     "state/rank: optimizer-state bytes on the busiest rank; unsharded: the same state on one "
     "process.\n"

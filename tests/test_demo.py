@@ -140,7 +140,7 @@ def test_ours_side_names_its_source(demo_run: dict[str, Any]) -> None:
     for run in demo_run["runs"]:
         for source in run["implementation"].values():
             if run["side"] == "ours":
-                assert source.startswith("compat_api.") or source.endswith("(stand-in)"), source
+                assert source.startswith("compat_api."), source
             else:
                 assert source.startswith("torch."), source
 
