@@ -197,10 +197,15 @@ def print_table(runs: Sequence[dict[str, Any]], title: str) -> None:
 
     table = Table(title=title, header_style="bold")
     for header in HEADERS:
-        table.add_column(header, justify="left" if header in ("phase", "run") else "right")
+        table.add_column(  # wrap, never cut figures
+            header, justify="left" if header in ("phase", "run") else "right", overflow="fold"
+        )
     for row in table_rows(runs):
         table.add_row(*row)
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # a log file or a pipe: room for the whole table
+        console = Console(width=160)
+    console.print(table)
 
 
 def _smooth(values: Sequence[float], weight: float) -> list[float]:
