@@ -20,6 +20,7 @@ __all__ = [
     "global_rank",
     "group_rank",
     "group_size",
+    "receiver_group",
     "recv_object",
     "require_initialized",
     "resolve_group",
@@ -162,6 +163,22 @@ def recv_object(
     holder: list[Any] = [None]
     dist.recv_object_list(holder, group=group, device=device, group_src=src_rank_in_group)
     return holder[0]
+
+
+def receiver_group(process_group: ProcessGroup | None, to: int) -> tuple[ProcessGroup, int, int]:
+    """Resolve the group of a gather onto group rank ``to`` and check ``to`` on every rank.
+
+    Returns:
+        ``(group, world_size, this rank in the group)``.
+
+    Raises:
+        ValueError: if ``to`` is not a rank of the group (raised on every rank: no hang).
+    """
+    group = resolve_group(process_group)
+    world_size = group_size(group)
+    if not 0 <= to < world_size:
+        raise ValueError(f"`to` must be a rank in [0, {world_size}), got {to}")
+    return group, world_size, group_rank(group)
 
 
 def wait_work(work: dist.Work | None, timeout: timedelta | None, what: str, hint: str = "") -> None:

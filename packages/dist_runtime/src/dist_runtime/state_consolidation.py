@@ -16,10 +16,8 @@ import torch
 from torch.distributed import ProcessGroup
 
 from dist_runtime.process_group import (
-    group_rank,
-    group_size,
+    receiver_group,
     recv_object,
-    resolve_group,
     send_object,
 )
 
@@ -72,11 +70,7 @@ def gather_local_state_dicts(
     Raises:
         ValueError: if ``to`` is not a rank of the group.
     """
-    group = resolve_group(process_group)
-    world_size = group_size(group)
-    rank = group_rank(group)
-    if not 0 <= to < world_size:
-        raise ValueError(f"`to` must be a rank in [0, {world_size}), got {to}")
+    group, world_size, rank = receiver_group(process_group, to)
     cpu = torch.device("cpu")
     mine = copy_to_device(local_state_dict, cpu)
     if rank != to:

@@ -30,10 +30,8 @@ from dist_runtime.piece_state import (
     split_param_state,
 )
 from dist_runtime.process_group import (
-    group_rank,
-    group_size,
+    receiver_group,
     recv_object,
-    resolve_group,
     send_object,
     wait_work,
 )
@@ -176,11 +174,7 @@ def consolidate_piece_states(
     Raises:
         ValueError: if ``to`` is not a rank of the group.
     """
-    group = resolve_group(process_group)
-    world_size = group_size(group)
-    rank = group_rank(group)
-    if not 0 <= to < world_size:
-        raise ValueError(f"`to` must be a rank in [0, {world_size}), got {to}")
+    group, world_size, rank = receiver_group(process_group, to)
     if rank != to:
         _send_shard(optimizer, pieces, to, group, device)
         return None
