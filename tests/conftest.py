@@ -1,12 +1,15 @@
-"""Suite-wide settings: strict numerics, Hypothesis profiles, GPU skips."""
+"""Suite-wide settings: strict numerics, Hypothesis profiles, GPU skips, gloo world fixtures."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+from tests._world import World
 
 settings.register_profile(
     "default",
@@ -34,3 +37,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# One gloo world per test module that asks for it (spawning is slow: each module reuses its own).
+@pytest.fixture(scope="module")
+def world2() -> Iterator[World]:
+    """A 2-rank gloo world on 127.0.0.1, shared by the tests of one module."""
+    with World(2) as world:
+        yield world
+
+
+@pytest.fixture(scope="module")
+def world3() -> Iterator[World]:
+    """A 3-rank gloo world on 127.0.0.1, shared by the tests of one module."""
+    with World(3) as world:
+        yield world

@@ -21,7 +21,6 @@ import copy
 import logging
 import random
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -349,18 +348,6 @@ def _run_plan_vs_torch(rank: int, world_size: int, seeds: list[int]) -> int:
 
 
 # -- tests -----------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def world2() -> Iterator[World]:
-    with World(2) as world:
-        yield world
-
-
-@pytest.fixture(scope="module")
-def world3() -> Iterator[World]:
-    with World(3) as world:
-        yield world
 
 
 def _cases(names: list[str], foreach: bool) -> list[tuple[str, bool, bool, str, bool]]:

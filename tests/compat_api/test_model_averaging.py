@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,12 +24,6 @@ import compat_api.algorithms.model_averaging.utils as our_utils
 from tests._world import World
 
 pytestmark = pytest.mark.distributed
-
-
-@pytest.fixture(scope="module")
-def world2() -> Iterator[World]:
-    with World(2) as world:
-        yield world
 
 
 def test_public_names_exist() -> None:

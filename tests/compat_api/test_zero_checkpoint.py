@@ -8,7 +8,6 @@ the same parameters at every world size and the comparisons are bitwise.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -86,18 +85,6 @@ def _flat_run(
                 root, opt, shards.piece_info, params, _groups(params), extra=extra
             )
     return [p.detach().clone() for p in params]
-
-
-@pytest.fixture(scope="module")
-def world2() -> Iterator[World]:
-    with World(2) as world:
-        yield world
-
-
-@pytest.fixture(scope="module")
-def world3() -> Iterator[World]:
-    with World(3) as world:
-        yield world
 
 
 @pytest.mark.parametrize(("name", "kwargs"), OPTIMIZERS)

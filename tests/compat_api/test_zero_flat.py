@@ -9,7 +9,6 @@ so the parameters agree to ~1e-12 (float64; a few ulps per step, amplified by Ad
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -81,18 +80,6 @@ def _assert_state_dicts_equal(got: dict[str, Any], want: dict[str, Any]) -> None
         assert list(got["state"][index]) == list(state)
         for key, value in state.items():
             assert torch.equal(got["state"][index][key], value), (index, key)
-
-
-@pytest.fixture(scope="module")
-def world2() -> Iterator[World]:
-    with World(2) as world:
-        yield world
-
-
-@pytest.fixture(scope="module")
-def world3() -> Iterator[World]:
-    with World(3) as world:
-        yield world
 
 
 def test_flat_parity_and_state_dict_equals_sorted_greedy(world3: World) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,12 +15,6 @@ import torch
 
 from compat_api import ZeroRedundancyOptimizer
 from tests._world import World
-
-
-@pytest.fixture(scope="module")
-def world2() -> Iterator[World]:
-    with World(2) as world:
-        yield world
 
 
 def _freed_on_del(rank: int, world_size: int, kwargs: dict[str, Any]) -> bool:

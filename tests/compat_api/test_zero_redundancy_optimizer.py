@@ -8,7 +8,7 @@ process group are compared with torch's in this process.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,18 +20,6 @@ from tests._world import World
 from tests.compat_api import _zero_workers as workers
 
 TorchZeRO = workers.TorchZeRO
-
-
-@pytest.fixture(scope="module")
-def world2() -> Iterator[World]:
-    with World(2) as world:
-        yield world
-
-
-@pytest.fixture(scope="module")
-def world3() -> Iterator[World]:
-    with World(3) as world:
-        yield world
 
 
 def test_class_hierarchy() -> None:

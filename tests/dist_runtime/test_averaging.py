@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,12 +24,6 @@ from tests._world import World
 pytestmark = pytest.mark.distributed
 
 DTYPES = {"f32": torch.float32, "f64": torch.float64, "f16": torch.float16, "bf16": torch.bfloat16}
-
-
-@pytest.fixture(scope="module")
-def world2() -> Iterator[World]:
-    with World(2) as world:
-        yield world
 
 
 # -- pure planning ------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -100,18 +99,6 @@ def _reference(
             p.grad = total / world_size if mode == "mean" else total
         opt.step()
     return [p.detach().clone() for p in params]
-
-
-@pytest.fixture(scope="module")
-def world2() -> Iterator[World]:
-    with World(2) as world:
-        yield world
-
-
-@pytest.fixture(scope="module")
-def world3() -> Iterator[World]:
-    with World(3) as world:
-        yield world
 
 
 def _parity(world: World, mode: str) -> None:

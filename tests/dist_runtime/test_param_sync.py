@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -52,12 +50,6 @@ def test_plan_chunks_invariants(sizes: list[tuple[int, bool]], direct: int, cap:
 
 
 # -- broadcasting (3 ranks) -----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def world3() -> Iterator[World]:
-    with World(3) as world:
-        yield world
 
 
 def _shapes() -> list[list[tuple[int, ...]]]:

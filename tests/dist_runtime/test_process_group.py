@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -31,12 +30,6 @@ def test_uninitialised_default_group_is_a_clear_error() -> None:
         resolve_group(None)
     with pytest.raises(RuntimeError, match="needs the default process group"):
         group_size()
-
-
-@pytest.fixture(scope="module")
-def world3() -> Iterator[World]:
-    with World(3) as world:
-        yield world
 
 
 def _world_worker(rank: int, world_size: int) -> dict[str, Any]:
