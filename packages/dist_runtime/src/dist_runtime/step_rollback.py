@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ from torch.distributed import ProcessGroup
 
 from dist_runtime.collective_failure import collective_guard, is_collective_failure
 
-__all__ = ["OptimizerSnapshot", "rollback_on_failure"]
+__all__ = ["OptimizerSnapshot", "restore_on_failure", "rollback_on_failure"]
 
 ROLLED_BACK = "Parameters and optimizer state are as they were before the call."
 
@@ -261,10 +261,39 @@ def rollback_on_failure(
         snapshot = OptimizerSnapshot(optimizer, params, state_params)
     else:
         snapshot.capture()
+    with restore_on_failure(operation, snapshot, process_group):
+        yield snapshot
+
+
+@contextlib.contextmanager
+def restore_on_failure(
+    operation: str,
+    snapshot: OptimizerSnapshot,
+    process_group: ProcessGroup | None = None,
+    settle: Callable[[], None] | None = None,
+) -> Iterator[None]:
+    """Run the block; if a collective in it fails, restore ``snapshot`` (captured before).
+
+    For a step that spans several calls (e.g. DDP comm hooks, one per bucket): capture the
+    snapshot before the first write, guard the call where failures surface.
+
+    Args:
+        operation: what the block does, for the error message.
+        snapshot: the values to put back, already captured.
+        process_group: the group the block communicates over (None for WORLD).
+        settle: called before restoring, to wait for communication still in flight that could
+            write into the saved tensors after the restore (it must not raise).
+
+    Raises:
+        CollectiveFailedError: after restoring, when a collective in the block failed. Other
+            exceptions propagate unchanged and nothing is restored.
+    """
     with collective_guard(operation, process_group, kept=ROLLED_BACK):
         try:
-            yield snapshot
+            yield
         except BaseException as exc:
             if is_collective_failure(exc):
+                if settle is not None:
+                    settle()
                 snapshot.restore()
             raise

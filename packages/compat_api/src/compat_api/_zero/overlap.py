@@ -36,6 +36,7 @@ from compat_api._zero.functional import (
     sync_hyperparameters,
 )
 from compat_api._zero.layout import sync_param_groups
+from compat_api._zero.step_guard import StepGuard
 from compat_api._zero.strategy import ZeroContext
 from dist_runtime.buckets import flatten_into_bucket
 from dist_runtime.ddp_bucket_plan import BucketSlice, plan_bucket_assignments
@@ -166,6 +167,8 @@ class OverlapZero(ZeroContext, Protocol):
     """What the overlap mode needs from ZeroRedundancyOptimizer beyond :class:`ZeroContext`."""
 
     _is_trainable_mask: list[bool]
+    _step_guard: StepGuard
+    undo_step_on_failure: bool
 
     def _clear_cache(self) -> None: ...
 

@@ -8,7 +8,8 @@ state and the per-bucket functions they use live in :mod:`compat_api._zero.overl
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -115,6 +116,42 @@ class OverlapController:
         self.info.wait_for_broadcasts()
         self.info.clear_per_iter_info()
 
+    # -- failures ----------------------------------------------------------------------------
+
+    def begin_iteration(self) -> None:
+        """Before the iteration's first bucket step: snapshot it if ZeRO undoes failed steps."""
+        self.zero._step_guard.begin_iteration(self.zero, self.zero.undo_step_on_failure)
+
+    @contextlib.contextmanager
+    def guarded(self) -> Iterator[None]:
+        """Run one hook call under ZeRO's failure policy.
+
+        A failed collective raises :class:`~dist_runtime.collective_failure.
+        CollectiveFailedError` naming the failed rank; with ``undo_step_on_failure`` the
+        iteration's work still in flight is waited for and every bucket step of the iteration
+        is undone first. On any error the iteration is forgotten.
+        """
+        try:
+            with self.zero._step_guard.overlap_guard(self.zero, self.settle):
+                yield
+        except BaseException:
+            self.info.broadcast_handles.clear()
+            self.info.clear_per_iter_info()
+            raise
+
+    def settle(self) -> None:
+        """Wait for every step and broadcast of this iteration, ignoring their errors.
+
+        After a failure, the steps still running in future callbacks and the broadcasts still
+        receiving would otherwise write into the parameters after they are restored.
+        """
+        info = self.info
+        waits: list[Callable[[], Any]] = [f.wait for f in info.bucket_index_to_future.values()]
+        waits += [handle.wait for handle in info.broadcast_handles]
+        for wait in waits:
+            with contextlib.suppress(Exception):  # failed work writes nothing more
+                wait()
+
 
 class OverlapStrategy(PerParameterStrategy):
     """``overlap_with_ddp=True``: DDP's comm hook steps a functional optimizer bucket by bucket.
@@ -167,6 +204,15 @@ class OverlapStrategy(PerParameterStrategy):
             "`_broadcast_params_from_rank()` should not be used if `overlap_with_ddp=True`; "
             "instead, the broadcasting should happen in the DDP communication hook"
         )
+
+    def written_tensors(self, zero: ZeroContext) -> list[torch.Tensor]:
+        # The bucket parameters are views of one flat tensor per (bucket, rank) assignment.
+        return [
+            assignment.tensor
+            for assignments in self.info.bucket_assignments_per_rank
+            for assignment in assignments.values()
+            if assignment.tensor is not None
+        ]
 
     def local_state_dict(self, zero: ZeroContext) -> dict[str, Any]:
         return local_state_dict(zero.optim, zero.param_groups[0])

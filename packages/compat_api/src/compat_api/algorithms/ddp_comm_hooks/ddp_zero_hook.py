@@ -64,16 +64,20 @@ def _advance(
     controller: OverlapController,
     ddp_ref: weakref.ReferenceType[DistributedDataParallel],
     bucket: GradBucket,
-    fut: torch.futures.Future[Any],
 ) -> int | None:
-    """Warm-up, then record the bucket; its index once ZeRO is initialised, else None."""
+    """Warm-up; once ZeRO is initialised, the bucket's index (else None).
+
+    At bucket 0 of an iteration this also snapshots what the iteration's steps will write, when
+    ZeRO undoes failed steps: before the bucket's all-reduce is issued (and so before any step).
+    """
     ddp = ddp_ref()
     controller.setup(ddp is not None and bool(ddp._has_rebuilt_buckets), bucket)
     if not controller.initialized:
         return None
-    index = controller.record(bucket, fut)
+    index: int = bucket.index()
     if index == 0:
         _check_join_order(controller.zero)
+        controller.begin_iteration()
     return index
 
 
@@ -127,18 +131,20 @@ def hook_with_zero_step(
     ddp_ref = weakref.ref(ddp)
 
     def hook_with_zero_fn(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-        fut = hook(state, bucket)
-        index = _advance(controller, ddp_ref, bucket, fut)
-        if index is None or index != controller.num_buckets - 1:
-            return fut
-        info = controller.info
-        # Not chained on the last all-reduce: the earlier buckets' steps need not wait for it.
-        for j in range(controller.num_buckets):
-            if controller.updates_here(j):
-                reduced = info.bucket_index_to_future[j].wait()
-                controller.bucket_step(info.bucket_index_to_bucket[j], reduced)
-            controller.broadcast_bucket(j)
-        controller.finish_iteration()
+        if _advance(controller, ddp_ref, bucket) is None:
+            return hook(state, bucket)
+        with controller.guarded():
+            fut = hook(state, bucket)
+            if controller.record(bucket, fut) != controller.num_buckets - 1:
+                return fut
+            info = controller.info
+            # Not chained on the last all-reduce: the earlier buckets' steps need not wait for it.
+            for j in range(controller.num_buckets):
+                if controller.updates_here(j):
+                    reduced = info.bucket_index_to_future[j].wait()
+                    controller.bucket_step(info.bucket_index_to_bucket[j], reduced)
+                controller.broadcast_bucket(j)
+            controller.finish_iteration()
         return fut
 
     return hook_with_zero_fn
@@ -197,17 +203,18 @@ def hook_with_zero_step_interleaved(
     def hook_with_zero_interleaved_fn(
         state: Any, bucket: GradBucket
     ) -> torch.futures.Future[torch.Tensor]:
-        fut = hook(state, bucket)
-        index = _advance(controller, ddp_ref, bucket, fut)
-        if index is None:
-            return fut
-        if controller.updates_here(index):
-            fut = fut.then(functools.partial(_step_in_callback, controller, bucket))
-            controller.info.bucket_index_to_future[index] = fut
-        if index == controller.num_buckets - 1:
-            for j in range(controller.num_buckets):
-                _sync_bucket(controller, j)
-            controller.finish_iteration()
+        if _advance(controller, ddp_ref, bucket) is None:
+            return hook(state, bucket)
+        with controller.guarded():
+            fut = hook(state, bucket)
+            index = controller.record(bucket, fut)
+            if controller.updates_here(index):
+                fut = fut.then(functools.partial(_step_in_callback, controller, bucket))
+                controller.info.bucket_index_to_future[index] = fut
+            if index == controller.num_buckets - 1:
+                for j in range(controller.num_buckets):
+                    _sync_bucket(controller, j)
+                controller.finish_iteration()
         return fut
 
     return hook_with_zero_interleaved_fn
