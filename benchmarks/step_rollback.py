@@ -16,6 +16,11 @@ Shapes: uniform (few large tensors), skewed (one large, many small), many small 
 A second table times ``PostLocalSGDOptimizer.step`` on the steps that average (where it
 snapshots, always on) against the same local step + averaging without the snapshot.
 
+A third times a DDP iteration (forward, backward with the overlapped ZeRO Adam step in the comm
+hook: ``overlap_with_ddp=True``, both hooks, 4 MB buckets) with ``undo_step_on_failure`` off
+(the failure guard only) and on (the snapshot too), against the hooks without the guard, all
+on the same instance.
+
 Usage: ``python benchmarks/step_rollback.py [--quick]``; ``main(argv) -> str`` returns markdown.
 """
 
@@ -100,6 +105,69 @@ def _time_post_local(rank: int, kind: str, quick: bool, repeats: int) -> dict[st
     return interleaved_median_ms(cases, warmup=2, repeats=repeats)
 
 
+class _Tensors(torch.nn.Module):
+    """A model that is just parameters of the given shapes (``forward`` touches each once)."""
+
+    def __init__(self, shapes: list[tuple[int, ...]]) -> None:
+        super().__init__()
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s)) for s in shapes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([(w * x).sum() for w in self.weights]).sum()
+
+
+def _time_overlap(rank: int, kind: str, quick: bool, repeats: int) -> dict[str, float]:
+    times = {}
+    for hook in ("hook_with_zero_step", "hook_with_zero_step_interleaved"):
+        for variant, ms in _time_overlap_hook(rank, kind, quick, repeats, hook).items():
+            times[f"{hook}|{variant}"] = ms
+    return times
+
+
+def _time_overlap_hook(
+    rank: int, kind: str, quick: bool, repeats: int, hook: str
+) -> dict[str, float]:
+    """One DDP iteration: unguarded (the hooks without the failure guard), undo off, undo on."""
+    import contextlib
+
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    from compat_api import ZeroRedundancyOptimizer
+    from compat_api._zero.overlap_control import OverlapController
+    from compat_api.algorithms.ddp_comm_hooks import ddp_zero_hook
+
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(_Tensors(_shapes(kind, quick)), bucket_cap_mb=4)
+    zero = ZeroRedundancyOptimizer(
+        list(ddp.parameters()), torch.optim.Adam, overlap_with_ddp=True, lr=1e-3
+    )
+    ddp.register_comm_hook(
+        None, getattr(ddp_zero_hook, hook)(default_hooks.allreduce_hook, ddp, zero)
+    )
+    x = torch.tensor(1.0 + rank)
+    guarded = OverlapController.guarded
+
+    def iteration(undo: bool, guard: bool = True) -> None:
+        zero.undo_step_on_failure = undo
+        if not guard:  # the hooks as they were before the guard
+            setattr(OverlapController, "guarded", lambda self: contextlib.nullcontext())  # noqa: B010
+        try:
+            ddp.zero_grad(set_to_none=True)
+            ddp(x).backward()
+        finally:
+            setattr(OverlapController, "guarded", guarded)  # noqa: B010
+
+    for _ in range(3):  # DDP's warm-up: the hooks update from the third iteration
+        iteration(False)
+    cases: dict[str, Callable[[], None]] = {
+        "unguarded": lambda: iteration(False, guard=False),
+        "undo off": lambda: iteration(False),
+        "undo on": lambda: iteration(True),
+    }
+    return interleaved_median_ms(cases, warmup=2, repeats=repeats)
+
+
 def main(argv: list[str] | None = None) -> str:
     """Run the benchmark; print and return its markdown table."""
     args = benchmark_parser(__doc__).parse_args(argv)
@@ -122,6 +190,15 @@ def main(argv: list[str] | None = None) -> str:
         base = times["local step + averaging"]
         for name, ms in times.items():
             post_rows.append([kind, name, f"{ms:.1f}", f"{ms / base:.2f}"])
+    overlap_rows = []
+    for kind in ("uniform", "many small"):
+        per_rank = spawn(_time_overlap, kind, args.quick, repeats, timeout_s=300, pg_timeout_s=60)
+        times = {name: max(r[name] for r in per_rank) for name in per_rank[0]}
+        for hook in ("hook_with_zero_step", "hook_with_zero_step_interleaved"):
+            base, off, on = (times[f"{hook}|{v}"] for v in ("unguarded", "undo off", "undo on"))
+            overlap_rows.append(
+                [kind, hook, f"{base:.1f}", f"{off / base:.2f}", f"{on / base:.2f}"]
+            )
     return emit(
         [
             f"### Rollback-on-failure cost on a ZeRO-style Adam step, {WORLD_SIZE} gloo ranks "
@@ -133,6 +210,15 @@ def main(argv: list[str] | None = None) -> str:
             "(SGD momentum, period 1)",
             "",
             *table(["model", "variant", "step (ms)", "ratio"], post_rows, "llrr"),
+            "",
+            "### ZeRO overlap_with_ddp: a DDP iteration (forward, backward, the Adam step in the "
+            "comm hook), with the failure guard and undo_step_on_failure vs without the guard",
+            "",
+            *table(
+                ["model", "hook", "unguarded (ms)", "undo off / unguarded", "undo on / unguarded"],
+                overlap_rows,
+                "llrrr",
+            ),
         ]
     )
 
