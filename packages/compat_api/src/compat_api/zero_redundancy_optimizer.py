@@ -97,7 +97,9 @@ class ZeroRedundancyOptimizer(TorchPrivateAPI, ShardedExtensions, Optimizer, Joi
     because it copies every parameter and the local optimizer state each step: 1.1-1.6x the
     step time measured on one rank, where all the state is local) the step is undone first:
     parameters and optimizer state are bitwise as before the call, so it can be retried after
-    re-forming the group.
+    re-forming the group. With ``overlap_with_ddp=True`` the same holds for the iteration the
+    DDP comm hook steps: the error leaves ``backward()`` and every bucket step of the iteration
+    is undone (the DDP module must be rebuilt over the re-formed group).
 
     Raises:
         TypeError / ValueError: for bad ``params``, mixed dense types, sparse parameters, an

@@ -27,6 +27,12 @@ The hooks' annotations are real objects (no ``from __future__ import annotations
 
 Every broadcast is waited on (with the process group's timeout) before the last bucket's hook
 returns, so the next forward pass sees the updated parameters.
+
+A collective that fails (a dead or hung peer) raises
+:class:`~dist_runtime.collective_failure.CollectiveFailedError` naming the failed rank from the
+hook, so from ``backward()``. With ``ZeroRedundancyOptimizer.undo_step_on_failure`` the
+iteration is snapshotted at bucket 0 (before any step) and, on failure, restored once its steps
+and broadcasts still in flight are done (:meth:`OverlapController.guarded`).
 """
 
 import functools
