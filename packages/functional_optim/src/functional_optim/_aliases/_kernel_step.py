@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -110,6 +109,8 @@ class KernelSpec:
     args: tuple[KernelArg, ...]
     state_type: type
     check_inputs: InputCheck | None = None
+    needed: frozenset[str] = field(init=False, repr=False, compare=False)
+    plan: _Plan = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         arity = len(inspect.signature(self.kernel).parameters)
@@ -123,11 +124,9 @@ class KernelSpec:
                 owner = arg.of or self.state_type
                 if arg.field not in getattr(owner, "_fields", ()):
                     raise ValueError(f"{owner.__name__} has no field {arg.field!r}")
-
-    @cached_property
-    def needed(self) -> frozenset[str]:
-        """:meth:`hyperparameter_names`, computed once."""
-        return frozenset(self.hyperparameter_names())
+        # computed once: read on every alias build (each step, with tensor hyperparameters)
+        object.__setattr__(self, "needed", frozenset(self.hyperparameter_names()))
+        object.__setattr__(self, "plan", _plan(self))
 
     def hyperparameter_names(self) -> set[str]:
         """The hyperparameters the step needs from the alias's builder."""
@@ -157,37 +156,78 @@ def _state_getter(arg: StateArg, default_type: type) -> Getter:
     return lambda view, st, full: view.gather(getattr(component(full, owner), field))
 
 
+def _params(view: FlatView, st: Any, full: OptState) -> list[Tensor]:
+    return view.active_params
+
+
+def _grads(view: FlatView, st: Any, full: OptState) -> list[Tensor]:
+    return view.active_grads
+
+
+def _empty(view: FlatView, st: Any, full: OptState) -> list[Tensor]:
+    return []
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A kernel declaration sorted once into what each alias build fills in."""
+
+    base: list[Any]  # "auto" at IMPL, None elsewhere
+    hyper: list[tuple[int, str]]  # position <- a hyperparameter value
+    fixed: list[tuple[int, Getter]]  # params, grads, state lists read every step
+    conditional: list[tuple[int, StateArg, Getter]]  # state lists with a ``when``
+    lazy: list[tuple[int, StateArg]]  # lazily created buffers without a ``when``
+    lr_index: int | None
+
+
+def _plan(spec: KernelSpec) -> _Plan:
+    plan = _Plan([None] * len(spec.args), [], [], [], [], None)
+    for i, arg in enumerate(spec.args):
+        if isinstance(arg, StateArg):
+            getter = _state_getter(arg, spec.state_type)
+            if arg.when is not None:
+                plan.conditional.append((i, arg, getter))
+            elif arg.fill is not None:
+                plan.lazy.append((i, arg))
+            else:
+                plan.fixed.append((i, getter))
+        elif isinstance(arg, str):
+            plan.hyper.append((i, arg))
+        elif arg is PARAMS:
+            plan.fixed.append((i, _params))
+        elif arg is GRADS:
+            plan.fixed.append((i, _grads))
+        elif arg is LR:
+            object.__setattr__(plan, "lr_index", i)
+        else:
+            plan.base[i] = "auto"  # IMPL
+    return plan
+
+
 def _slots(
     spec: KernelSpec, values: Mapping[str, Any]
 ) -> tuple[list[Any], list[tuple[int, Getter]], list[tuple[int, StateArg]]]:
-    """Split the arguments into constants and per-step getters."""
-    template: list[Any] = []
-    dynamic: list[tuple[int, Getter]] = []
-    lazy: list[tuple[int, StateArg]] = []
-    for i, arg in enumerate(spec.args):
-        value: Any = None
-        if isinstance(arg, StateArg):
-            if arg.when is not None and not values[arg.when]:
-                dynamic.append((i, lambda view, st, full: []))
-            elif arg.fill is not None:
-                lazy.append((i, arg))
-            else:
-                dynamic.append((i, _state_getter(arg, spec.state_type)))
-        elif isinstance(arg, str):
-            value = values[arg]
-        elif arg is PARAMS:
-            dynamic.append((i, lambda view, st, full: view.active_params))
-        elif arg is GRADS:
-            dynamic.append((i, lambda view, st, full: view.active_grads))
-        elif arg is LR:
-            lr = _lr_getter(values["lr"])
-            if callable(lr):
-                dynamic.append((i, lr))
-            else:
-                value = lr
+    """The constant arguments, the per-step getters and the lazy buffers for ``values``."""
+    plan = spec.plan
+    template = plan.base.copy()
+    for i, name in plan.hyper:
+        template[i] = values[name]
+    dynamic, lazy = plan.fixed, plan.lazy  # shared, never mutated; copied when extended
+    if plan.conditional:
+        dynamic, lazy = dynamic.copy(), lazy.copy()
+    for i, arg, getter in plan.conditional:
+        if not values[arg.when]:  # type: ignore[index]
+            dynamic.append((i, _empty))
+        elif arg.fill is not None:
+            lazy.append((i, arg))
         else:
-            value = "auto"  # IMPL
-        template.append(value)
+            dynamic.append((i, getter))
+    if plan.lr_index is not None:
+        lr = _lr_getter(values["lr"])
+        if callable(lr):
+            dynamic = [*dynamic, (plan.lr_index, lr)]
+        else:
+            template[plan.lr_index] = lr
     return template, dynamic, lazy
 
 
@@ -236,7 +276,8 @@ def _lazy_step(
     lazy: Sequence[tuple[int, StateArg]],
 ) -> Callable[..., OptState]:
     """A step with lazily created buffers (SGD's and RMSprop's momentum): they are gathered
-    with their None entries, filled, and written back into the chain state."""
+    with their None entries, filled (by the kernel or with zeros first) and written back into
+    the chain state."""
 
     def step(params: PyTree, grads: PyTree, full: OptState) -> OptState:
         view = FlatView(params, grads)
@@ -248,7 +289,7 @@ def _lazy_step(
             args[i] = get(view, st, full)
         written = []
         for i, arg in lazy:
-            owner: Any = component(full, arg.of or state_type)
+            owner: Any = st if arg.of is None else component(full, arg.of)
             leaves = view.leaves(getattr(owner, arg.field))
             if arg.fill == "zeros":
                 for j in view.idx:
@@ -257,12 +298,15 @@ def _lazy_step(
                         leaves[j] = torch.zeros_like(p, memory_format=torch.preserve_format)
             taken = view.take(leaves)
             args[i] = taken
-            written.append((owner, arg.field, leaves, taken))
+            written.append((owner, arg, leaves, taken))
         kernel(*args)
-        for owner, field, leaves, taken in written:
-            for j, buf in zip(view.idx, taken, strict=True):
-                leaves[j] = buf  # the kernel may store a new buffer on a param's first step
-            full = replace_component(full, owner._replace(**{field: view.unflatten(leaves)}))
+        for owner, arg, leaves, taken in written:
+            if arg.fill == "kernel":  # the kernel stores a new buffer on a param's first step
+                for j, buf in zip(view.idx, taken, strict=True):
+                    leaves[j] = buf
+            fields = list(owner)
+            fields[owner._fields.index(arg.field)] = view.unflatten(leaves)
+            full = replace_component(full, type(owner)(*fields))
         return full
 
     return step
