@@ -1,20 +1,22 @@
 """One entry per torch.optim algorithm: the single place a new algorithm is declared.
 
 Each :class:`Algorithm` names the torch class it mirrors and every layer that implements it:
-the kernel, the state transform and its state type (with torch's per-param state keys), the
-alias (the optimizer as a chain with a fused ``step``) and, when its update is TorchScript-able,
-the ``FunctionalX`` class. From :data:`ALGORITHMS`:
+the kernel and its argument order, the state transform and its state type (with torch's
+per-param state keys), the alias (hand-written, or generated from its declared hyperparameters,
+:class:`Hyperparam`, and a ``chain`` builder) and, when its update is TorchScript-able, the
+``FunctionalX`` class. From :data:`ALGORITHMS`:
 
+* every alias's fused ``step`` runs the declared kernel arguments
+  (:mod:`functional_optim._aliases._kernel_step`; the aliases name their entry in ``fused``);
+* the package exports every part (``_registration.publish_all``);
 * ``functional_optim._torch_state`` takes torch's state names (``state_names``);
-* ``compat_api.utils.functional_optim_map`` maps ``torch.optim.<torch_name>`` to ``functional``;
-* the package's ``__all__`` is checked to export ``alias``, ``transform``, ``state_type`` and
-  ``functional`` (tests/functional_optim/test_registry.py);
+* ``compat_api.utils.functional_optim_map`` maps ``torch.optim.<torch_name>`` to ``functional``
+  (``on_algorithm_registered``);
 * the parity tests (tests/functional_optim/_alias_registry.py) run every entry against torch
   and draw every hyperparameter of ``alias`` with Hypothesis.
 
-Adding an algorithm: write the kernel (``kernels/x.py``), the transform (``_transforms``), the
-alias (``_aliases``) and, if scriptable, ``functional/x.py``; then add one entry here and export
-the new names from the package ``__init__``.
+Adding an algorithm: write the kernel (``kernels/x.py``) and, if none fits, the transform
+(``_transforms``); then add one entry here. ``register_algorithm`` adds one at run time.
 """
 
 from __future__ import annotations
