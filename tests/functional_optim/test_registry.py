@@ -11,7 +11,7 @@ import torch
 
 import compat_api
 import functional_optim as fo
-from functional_optim._aliases._kernel_step import SPECS
+from functional_optim._aliases._kernel_step import SPECS, fused
 from functional_optim._registry import BY_NAME, by_torch_name, torch_state_names
 from functional_optim._torch_state import _TORCH_NAMES
 
@@ -89,3 +89,11 @@ def test_no_alias_module_restates_a_kernel_call() -> None:
         )
         assert not imports_kernels, f"{path.name} calls a kernel itself: declare kernel_args"
         assert not re.search(r"^def _\w+_step\(", source, re.M), path.name
+
+
+def test_fused_step_names_what_is_missing() -> None:
+    tx = fo.adam()
+    with pytest.raises(TypeError, match=r"takes the hyperparameters \['amsgrad', 'b1'"):
+        fused(tx, "adam", lr=0.1)
+    with pytest.raises(KeyError, match="no registered algorithm 'adamx'"):
+        fused(tx, "adamx", lr=0.1)
