@@ -267,6 +267,11 @@ def kernel_step(spec: KernelSpec, values: Mapping[str, Any]) -> Callable[..., Op
     return step
 
 
+def _field_index(state_type: type, field_name: str) -> int:
+    fields: tuple[str, ...] = getattr(state_type, "_fields", ())
+    return fields.index(field_name)
+
+
 def _lazy_step(
     kernel: Callable[..., None],
     state_type: type,
@@ -278,6 +283,10 @@ def _lazy_step(
     """A step with lazily created buffers (SGD's and RMSprop's momentum): they are gathered
     with their None entries, filled (by the kernel or with zeros first) and written back into
     the chain state."""
+    buffers = [
+        (i, arg.of, _field_index(arg.of or state_type, arg.field), arg.fill == "zeros")
+        for i, arg in lazy
+    ]
 
     def step(params: PyTree, grads: PyTree, full: OptState) -> OptState:
         view = FlatView(params, grads)
@@ -288,24 +297,24 @@ def _lazy_step(
         for i, get in dynamic:
             args[i] = get(view, st, full)
         written = []
-        for i, arg in lazy:
-            owner: Any = st if arg.of is None else component(full, arg.of)
-            leaves = view.leaves(getattr(owner, arg.field))
-            if arg.fill == "zeros":
+        for i, of, index, zeros in buffers:
+            owner: Any = st if of is None else component(full, of)
+            leaves = view.leaves(owner[index])
+            if zeros:
                 for j in view.idx:
                     if leaves[j] is None:
                         p = view.params[j]
                         leaves[j] = torch.zeros_like(p, memory_format=torch.preserve_format)
             taken = view.take(leaves)
             args[i] = taken
-            written.append((owner, arg, leaves, taken))
+            written.append((owner, index, zeros, leaves, taken))
         kernel(*args)
-        for owner, arg, leaves, taken in written:
-            if arg.fill == "kernel":  # the kernel stores a new buffer on a param's first step
+        for owner, index, zeros, leaves, taken in written:
+            if not zeros:  # the kernel stores a new buffer on a param's first step
                 for j, buf in zip(view.idx, taken, strict=True):
                     leaves[j] = buf
             fields = list(owner)
-            fields[owner._fields.index(arg.field)] = view.unflatten(leaves)
+            fields[index] = view.unflatten(leaves)
             full = replace_component(full, type(owner)(*fields))
         return full
 
