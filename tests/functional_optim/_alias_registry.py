@@ -5,6 +5,7 @@ Shared by test_aliases, test_optimizer and test_meta_gradient.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -26,9 +27,17 @@ class Entry(NamedTuple):
     shapes: tuple[tuple[int, ...], ...] = SHAPES  # five param shapes torch accepts
 
     @property
+    def single_path_only(self) -> bool:
+        """torch's class has no ``foreach`` argument (Muon, a toy registered by a test)."""
+        return (
+            self.name in SINGLE_PATH_ONLY
+            or "foreach" not in inspect.signature(self.torch_cls.__init__).parameters
+        )
+
+    @property
     def loop(self) -> dict[str, bool]:
         """torch's per-tensor path (Muon has only that one, and no ``foreach`` argument)."""
-        return {} if self.name in SINGLE_PATH_ONLY else {"foreach": False}
+        return {} if self.single_path_only else {"foreach": False}
 
     @property
     def step_path(self) -> dict[str, bool]:
@@ -38,11 +47,7 @@ class Entry(NamedTuple):
     @property
     def paths(self) -> list[dict[str, bool]]:
         """Every torch path a ``FunctionalX`` can select: default, and ``foreach``."""
-        return (
-            [self.step_path]
-            if self.name in SINGLE_PATH_ONLY
-            else [self.step_path, {"foreach": True}]
-        )
+        return [self.step_path] if self.single_path_only else [self.step_path, {"foreach": True}]
 
     def params(self, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
         """Random params of this entry's shapes."""
@@ -156,8 +161,32 @@ SINGLE_PATH_ONLY = frozenset({"muon"})
 SHAPES_BY_NAME = {"adafactor": NONEMPTY_SHAPES, "muon": MATRIX_SHAPES}
 
 
-def _entry(algorithm: fo.Algorithm) -> Entry:
-    base, flags = CASE_TABLES[algorithm.name]
+def derived_table(
+    algorithm: fo.Algorithm,
+) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
+    """The case table of an entry that declares its hyperparameters (a generated alias): every
+    boolean both ways, every other hyperparameter at its default and its declared ``cases``."""
+    flags: dict[str, tuple[Any, ...]] = {}
+    for h in algorithm.hyperparams:
+        values = (False, True) if isinstance(h.default, bool) else (h.default, *h.cases)
+        if len(values) > 1:
+            flags[h.name] = values
+    return {}, flags
+
+
+def entry_for(algorithm: fo.Algorithm) -> Entry:
+    """The test-table entry of a registered algorithm: its ``CASE_TABLES`` row, else the table
+    its declared hyperparameters give.
+
+    Raises:
+        KeyError: for an entry with a hand-written alias and no ``CASE_TABLES`` row.
+    """
+    if algorithm.name in CASE_TABLES:
+        base, flags = CASE_TABLES[algorithm.name]
+    elif algorithm.hyperparams:
+        base, flags = derived_table(algorithm)
+    else:
+        raise KeyError(f"add a CASE_TABLES row for {algorithm.name} (its alias is hand-written)")
     return Entry(
         algorithm.name,
         algorithm.alias,
@@ -169,11 +198,12 @@ def _entry(algorithm: fo.Algorithm) -> Entry:
     )
 
 
-#: Every registered dense-gradient algorithm (a KeyError here: a new entry lacks its
-#: CASE_TABLES row). Sparse-gradient (SparseAdam) and closure-driven (LBFGS) ones have their
-#: own tests (test_sparse_adam.py, test_lbfgs.py), which check they cover every such entry.
+#: Every registered dense-gradient algorithm (a KeyError here: a new entry with a hand-written
+#: alias lacks its CASE_TABLES row; an entry that declares its hyperparameters needs none).
+#: Sparse-gradient (SparseAdam) and closure-driven (LBFGS) ones have their own tests
+#: (test_sparse_adam.py, test_lbfgs.py), which check they cover every such entry.
 REGISTRY: list[Entry] = [
-    _entry(a) for a in fo.ALGORITHMS if not (a.sparse_grads or a.needs_closure)
+    entry_for(a) for a in fo.ALGORITHMS if not (a.sparse_grads or a.needs_closure)
 ]
 
 BY_NAME = {e.name: e for e in REGISTRY}

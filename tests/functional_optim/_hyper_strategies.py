@@ -161,6 +161,28 @@ def _fix(name: str, kw: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
+def declared_strategies(hyperparams: Any) -> dict[str, st.SearchStrategy[Any]]:
+    """Strategies for a generated alias (its entry declares ``fo.Hyperparam`` values): each argument
+    drawn from its default and its declared ``cases`` (booleans both ways)."""
+    return {
+        h.name: BOOL if isinstance(h.default, bool) else st.sampled_from((h.default, *h.cases))
+        for h in hyperparams
+    }
+
+
+def strategies(name: str) -> dict[str, st.SearchStrategy[Any]]:
+    """``HYPERPARAMETERS[name]``, else the strategies the registry entry's declared
+    hyperparameters give (a KeyError for a hand-written alias without a row)."""
+    if name in HYPERPARAMETERS:
+        return HYPERPARAMETERS[name]
+    import functional_optim as fo
+
+    algorithm = next(a for a in fo.ALGORITHMS if a.name == name)
+    if not algorithm.hyperparams:
+        raise KeyError(f"add {name} to _hyper_strategies.HYPERPARAMETERS")
+    return declared_strategies(algorithm.hyperparams)
+
+
 def hyperparameters(name: str) -> st.SearchStrategy[dict[str, Any]]:
     """A strategy for a full keyword dict of ``fo.<name>``."""
-    return st.fixed_dictionaries(HYPERPARAMETERS[name]).map(lambda kw: _fix(name, kw))
+    return st.fixed_dictionaries(strategies(name)).map(lambda kw: _fix(name, kw))

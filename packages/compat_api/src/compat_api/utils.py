@@ -1,8 +1,8 @@
 """Drop-in for ``torch.distributed.optim.utils``: the torch.optim -> functional optimizer map.
 
 ``functional_optim_map`` maps every ``torch.optim`` class that has a TorchScript functional
-counterpart in :mod:`functional_optim` (its algorithm registry, ``functional_optim.ALGORITHMS``)
-to that class: torch's eight and the ones torch lacks.
+counterpart in :mod:`functional_optim` (its algorithm registry, ``functional_optim.ALGORITHMS``,
+followed as algorithms are registered) to that class: torch's eight and the ones torch lacks.
 :class:`~compat_api.optimizer.DistributedOptimizer` looks the user's optimizer class up here to
 run it scripted on every worker, and ZeRO's ``overlap_with_ddp`` builds its functional optimizer
 through :func:`as_functional_optim`.
@@ -21,11 +21,21 @@ import functional_optim
 __all__ = ["as_functional_optim", "functional_optim_map", "register_functional_optim"]
 
 #: ``torch.optim`` class (or any user key) -> TorchScript functional optimizer class.
-functional_optim_map: dict[Any, type] = {
-    getattr(optim, algorithm.torch_name): algorithm.functional
-    for algorithm in functional_optim.ALGORITHMS
-    if algorithm.functional is not None
-}
+functional_optim_map: dict[Any, type] = {}
+
+
+def _follow_registry(algorithm: functional_optim.Algorithm, added: bool) -> None:
+    """Keep :data:`functional_optim_map` in step with ``functional_optim``'s registry."""
+    key = getattr(optim, algorithm.torch_name, None)
+    if key is None or algorithm.functional is None:
+        return
+    if added:
+        functional_optim_map.setdefault(key, algorithm.functional)
+    elif functional_optim_map.get(key) is algorithm.functional:
+        del functional_optim_map[key]
+
+
+functional_optim.on_algorithm_registered(_follow_registry)
 
 
 def register_functional_optim(key: Any, optim: type) -> None:

@@ -50,7 +50,13 @@ from functional_optim._base import (
 )
 from functional_optim._lists import LeafView, ListTransform
 from functional_optim._optimizer import Optimizer
-from functional_optim._registry import ALGORITHMS, Algorithm
+from functional_optim._registration import (
+    on_algorithm_registered,
+    publish_all,
+    register_algorithm,
+    unregister_algorithm,
+)
+from functional_optim._registry import ALGORITHMS, Algorithm, Hyperparam
 from functional_optim._schedules import (
     constant_schedule,
     cosine_decay_schedule,
@@ -210,6 +216,7 @@ __all__ = [
     "FunctionalRprop",
     "FunctionalSGD",
     "GradientTransformation",
+    "Hyperparam",
     "InitFn",
     "InjectHyperparamsState",
     "LbfgsState",
@@ -296,10 +303,12 @@ __all__ = [
     "nadamw",
     "noisy_sgd",
     "novograd",
+    "on_algorithm_registered",
     "piecewise_constant_schedule",
     "piecewise_interpolate_schedule",
     "polynomial_schedule",
     "radam",
+    "register_algorithm",
     "rmsprop",
     "rprop",
     "scale",
@@ -348,9 +357,14 @@ __all__ = [
     "tree_scale",
     "tree_sub",
     "tree_zeros_like",
+    "unregister_algorithm",
     "warmup_constant_schedule",
     "warmup_cosine_decay_schedule",
     "warmup_exponential_decay_schedule",
     "yogi",
     "zero_nans",
 ]
+
+# Every registry entry's alias, transform, state, kernel and FunctionalX class is exported (an
+# entry needs no import above; one there only gives static type checkers the name).
+publish_all()

@@ -1,28 +1,39 @@
 """One entry per torch.optim algorithm: the single place a new algorithm is declared.
 
 Each :class:`Algorithm` names the torch class it mirrors and every layer that implements it:
-the kernel, the state transform and its state type (with torch's per-param state keys), the
-alias (the optimizer as a chain with a fused ``step``) and, when its update is TorchScript-able,
-the ``FunctionalX`` class. From :data:`ALGORITHMS`:
+the kernel and its argument order, the state transform and its state type (with torch's
+per-param state keys), the alias (hand-written, or generated from its declared hyperparameters,
+:class:`Hyperparam`, and a ``chain`` builder) and, when its update is TorchScript-able, the
+``FunctionalX`` class. From :data:`ALGORITHMS`:
 
+* every alias's fused ``step`` runs the declared kernel arguments
+  (:mod:`functional_optim._aliases._kernel_step`; the aliases name their entry in ``fused``);
+* the package exports every part (``_registration.publish_all``);
 * ``functional_optim._torch_state`` takes torch's state names (``state_names``);
-* ``compat_api.utils.functional_optim_map`` maps ``torch.optim.<torch_name>`` to ``functional``;
-* the package's ``__all__`` is checked to export ``alias``, ``transform``, ``state_type`` and
-  ``functional`` (tests/functional_optim/test_registry.py);
+* ``compat_api.utils.functional_optim_map`` maps ``torch.optim.<torch_name>`` to ``functional``
+  (``on_algorithm_registered``);
 * the parity tests (tests/functional_optim/_alias_registry.py) run every entry against torch
   and draw every hyperparameter of ``alias`` with Hypothesis.
 
-Adding an algorithm: write the kernel (``kernels/x.py``), the transform (``_transforms``), the
-alias (``_aliases``) and, if scriptable, ``functional/x.py``; then add one entry here and export
-the new names from the package ``__init__``.
+Adding an algorithm: write the kernel (``kernels/x.py``) and, if none fits, the transform
+(``_transforms``); then add one entry here. ``register_algorithm`` adds one at run time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
 
 from functional_optim import kernels
+from functional_optim._algorithm import Algorithm, Hyperparam
+from functional_optim._aliases._kernel_step import (
+    GRADS,
+    IMPL,
+    LR,
+    PARAMS,
+    SPECS,
+    KernelArg,
+    state,
+)
 from functional_optim._aliases.adafactor import adafactor
 from functional_optim._aliases.adam import adam, adamw
 from functional_optim._aliases.adam_variants import nadam, radam
@@ -33,8 +44,11 @@ from functional_optim._aliases.muon import muon
 from functional_optim._aliases.rms import rmsprop, rprop
 from functional_optim._aliases.sgd import sgd
 from functional_optim._aliases.sparse_adam import sparse_adam
-from functional_optim._base import GradientTransformation
-from functional_optim._transforms.adafactor import ScaleByAdafactorState, scale_by_adafactor
+from functional_optim._transforms.adafactor import (
+    ScaleByAdafactorState,
+    check_real,
+    scale_by_adafactor,
+)
 from functional_optim._transforms.adam import (
     ScaleByAdamaxState,
     ScaleByAdamState,
@@ -50,7 +64,7 @@ from functional_optim._transforms.adam_variants import (
 from functional_optim._transforms.asgd import ScaleByAsgdState, scale_by_asgd
 from functional_optim._transforms.lbfgs import LbfgsState
 from functional_optim._transforms.momentum import TraceState, trace
-from functional_optim._transforms.muon import ScaleByMuonState, scale_by_muon
+from functional_optim._transforms.muon import ScaleByMuonState, check_muon_inputs, scale_by_muon
 from functional_optim._transforms.rms import (
     ScaleByAdadeltaState,
     ScaleByAdagradState,
@@ -77,7 +91,16 @@ from functional_optim.functional import (
     FunctionalSGD,
 )
 
-__all__ = ["ALGORITHMS", "Algorithm", "BY_NAME", "by_torch_name", "torch_state_names"]
+__all__ = [
+    "ALGORITHMS",
+    "BY_NAME",
+    "TORCH_STATE_NAMES",
+    "Algorithm",
+    "Hyperparam",
+    "by_torch_name",
+    "merged_state_names",
+    "torch_state_names",
+]
 
 _ADAM_NAMES: Mapping[str, str] = {
     "count": "step",
@@ -86,139 +109,140 @@ _ADAM_NAMES: Mapping[str, str] = {
     "nu_max": "max_exp_avg_sq",
 }
 _TRACE_NAMES: dict[type, Mapping[str, str]] = {TraceState: {"momentum_buffer": "momentum_buffer"}}
-
-
-@dataclass(frozen=True)
-class Algorithm:
-    """Everything about one torch.optim algorithm.
-
-    Attributes:
-        name: the alias's name (``"adam"``).
-        torch_name: the ``torch.optim`` class name (``"Adam"``).
-        alias: the optimizer factory (torch's hyperparameter names and defaults).
-        transform: the state transform the alias is built around (``scale_by_adam``).
-        state_type: the NamedTuple state of ``transform``.
-        state_names: for each state type the alias's chain holds, field -> torch state key.
-        kernel: the dispatching kernel (``kernels.adam``); None when there is none.
-        functional: the TorchScript ``FunctionalX`` class, None when not scriptable.
-        has_fused: torch has a fused CPU kernel (the alias's ``step`` then matches
-            ``fused=True`` bitwise; else ``foreach=False``).
-        sparse_grads: takes sparse (COO) gradients only (SparseAdam).
-        needs_closure: ``step`` takes a closure in place of the gradients (LBFGS); driven by
-            ``fo.Optimizer.step(closure)``.
-        torch_only_args: torch constructor arguments the alias leaves out (implementation
-            switches such as ``foreach``).
-    """
-
-    name: str
-    torch_name: str
-    alias: Callable[..., GradientTransformation]
-    transform: Callable[..., GradientTransformation]
-    state_type: type
-    state_names: Mapping[type, Mapping[str, str]]
-    kernel: Callable[..., None] | None
-    functional: type | None
-    has_fused: bool = False
-    sparse_grads: bool = False
-    needs_closure: bool = False
-    torch_only_args: frozenset[str] = field(
-        default=frozenset({"foreach", "capturable", "differentiable", "fused"})
-    )
+_ADAM_ARGS: tuple[KernelArg, ...] = (
+    PARAMS, GRADS, state("mu"), state("nu"), state("nu_max", when="amsgrad"), state("count"),
+    "amsgrad", "b1", "b2", LR, "weight_decay", "eps", "maximize", IMPL,
+)  # fmt: skip
 
 
 #: Every algorithm; torch's eight first, in the order of torch's ``functional_optim_map``.
 ALGORITHMS: tuple[Algorithm, ...] = (
     Algorithm(
-        "adagrad",
-        "Adagrad",
-        adagrad,
-        scale_by_adagrad,
-        ScaleByAdagradState,
-        {ScaleByAdagradState: {"count": "step", "sum_of_squares": "sum"}},
-        kernels.adagrad,
-        FunctionalAdagrad,
+        name="adagrad",
+        torch_name="Adagrad",
+        alias=adagrad,
+        transform=scale_by_adagrad,
+        state_type=ScaleByAdagradState,
+        state_names={ScaleByAdagradState: {"count": "step", "sum_of_squares": "sum"}},
+        kernel=kernels.adagrad,
+        kernel_args=(
+            PARAMS, GRADS, state("sum_of_squares"), state("count"),
+            LR, "weight_decay", "lr_decay", "eps", "maximize", IMPL,
+        ),
+        functional=FunctionalAdagrad,
         has_fused=True,
     ),
     Algorithm(
-        "adam",
-        "Adam",
-        adam,
-        scale_by_adam,
-        ScaleByAdamState,
-        {ScaleByAdamState: _ADAM_NAMES},
-        kernels.adam,
-        FunctionalAdam,
+        name="adam",
+        torch_name="Adam",
+        alias=adam,
+        transform=scale_by_adam,
+        state_type=ScaleByAdamState,
+        state_names={ScaleByAdamState: _ADAM_NAMES},
+        kernel=kernels.adam,
+        kernel_args=_ADAM_ARGS,
+        functional=FunctionalAdam,
         has_fused=True,
     ),
     Algorithm(
-        "adamw",
-        "AdamW",
-        adamw,
-        scale_by_adam,
-        ScaleByAdamState,
-        {ScaleByAdamState: _ADAM_NAMES},
-        kernels.adamw,
-        FunctionalAdamW,
+        name="adamw",
+        torch_name="AdamW",
+        alias=adamw,
+        transform=scale_by_adam,
+        state_type=ScaleByAdamState,
+        state_names={ScaleByAdamState: _ADAM_NAMES},
+        kernel=kernels.adamw,
+        kernel_args=_ADAM_ARGS,
+        functional=FunctionalAdamW,
         has_fused=True,
     ),
     Algorithm(
-        "sgd",
-        "SGD",
-        sgd,
-        trace,
-        TraceState,
-        _TRACE_NAMES,
-        kernels.sgd,
-        FunctionalSGD,
+        name="sgd",
+        torch_name="SGD",
+        alias=sgd,
+        transform=trace,
+        state_type=TraceState,
+        state_names=_TRACE_NAMES,
+        kernel=kernels.sgd,
+        kernel_args=(
+            PARAMS, GRADS, state("momentum_buffer", when="momentum", fill="kernel"),
+            LR, "momentum", "dampening", "weight_decay", "nesterov", "maximize", IMPL,
+        ),
+        functional=FunctionalSGD,
         has_fused=True,
     ),
     Algorithm(
-        "adadelta",
-        "Adadelta",
-        adadelta,
-        scale_by_adadelta,
-        ScaleByAdadeltaState,
-        {ScaleByAdadeltaState: {"count": "step", "nu": "square_avg", "acc_delta": "acc_delta"}},
-        kernels.adadelta,
-        FunctionalAdadelta,
+        name="adadelta",
+        torch_name="Adadelta",
+        alias=adadelta,
+        transform=scale_by_adadelta,
+        state_type=ScaleByAdadeltaState,
+        state_names={
+            ScaleByAdadeltaState: {"count": "step", "nu": "square_avg", "acc_delta": "acc_delta"}
+        },
+        kernel=kernels.adadelta,
+        kernel_args=(
+            PARAMS, GRADS, state("nu"), state("acc_delta"), state("count"),
+            LR, "rho", "eps", "weight_decay", "maximize", IMPL,
+        ),
+        functional=FunctionalAdadelta,
     ),
     Algorithm(
-        "rmsprop",
-        "RMSprop",
-        rmsprop,
-        scale_by_rms,
-        ScaleByRmsState,
-        {ScaleByRmsState: {"count": "step", "nu": "square_avg", "mu": "grad_avg"}, **_TRACE_NAMES},
-        kernels.rmsprop,
-        FunctionalRMSprop,
+        name="rmsprop",
+        torch_name="RMSprop",
+        alias=rmsprop,
+        transform=scale_by_rms,
+        state_type=ScaleByRmsState,
+        state_names={
+            ScaleByRmsState: {"count": "step", "nu": "square_avg", "mu": "grad_avg"},
+            **_TRACE_NAMES,
+        },
+        kernel=kernels.rmsprop,
+        kernel_args=(
+            PARAMS, GRADS, state("nu"), state("mu", when="centered"),
+            state("momentum_buffer", when="momentum", of=TraceState, fill="zeros"),
+            state("count"), LR, "alpha", "eps", "weight_decay", "momentum", "centered",
+            "maximize", IMPL,
+        ),
+        functional=FunctionalRMSprop,
     ),
     Algorithm(
-        "rprop",
-        "Rprop",
-        rprop,
-        scale_by_rprop,
-        ScaleByRpropState,
-        {ScaleByRpropState: {"count": "step", "prev": "prev", "step_size": "step_size"}},
-        kernels.rprop,
-        FunctionalRprop,
+        name="rprop",
+        torch_name="Rprop",
+        alias=rprop,
+        transform=scale_by_rprop,
+        state_type=ScaleByRpropState,
+        state_names={
+            ScaleByRpropState: {"count": "step", "prev": "prev", "step_size": "step_size"}
+        },
+        kernel=kernels.rprop,
+        kernel_args=(
+            PARAMS, GRADS, state("prev"), state("step_size"), state("count"),
+            "step_size_min", "step_size_max", "etaminus", "etaplus", "maximize", IMPL,
+        ),
+        functional=FunctionalRprop,
     ),
     Algorithm(
-        "adamax",
-        "Adamax",
-        adamax,
-        scale_by_adamax,
-        ScaleByAdamaxState,
-        {ScaleByAdamaxState: {"count": "step", "mu": "exp_avg", "nu": "exp_inf"}},
-        kernels.adamax,
-        FunctionalAdamax,
+        name="adamax",
+        torch_name="Adamax",
+        alias=adamax,
+        transform=scale_by_adamax,
+        state_type=ScaleByAdamaxState,
+        state_names={ScaleByAdamaxState: {"count": "step", "mu": "exp_avg", "nu": "exp_inf"}},
+        kernel=kernels.adamax,
+        kernel_args=(
+            PARAMS, GRADS, state("mu"), state("nu"), state("count"),
+            "eps", "b1", "b2", LR, "weight_decay", "maximize", IMPL,
+        ),
+        functional=FunctionalAdamax,
     ),
     Algorithm(
-        "nadam",
-        "NAdam",
-        nadam,
-        scale_by_nadam,
-        ScaleByNadamState,
-        {
+        name="nadam",
+        torch_name="NAdam",
+        alias=nadam,
+        transform=scale_by_nadam,
+        state_type=ScaleByNadamState,
+        state_names={
             ScaleByNadamState: {
                 "count": "step",
                 "mu_product": "mu_product",
@@ -226,36 +250,49 @@ ALGORITHMS: tuple[Algorithm, ...] = (
                 "nu": "exp_avg_sq",
             }
         },
-        kernels.nadam,
-        FunctionalNAdam,
+        kernel=kernels.nadam,
+        kernel_args=(
+            PARAMS, GRADS, state("mu"), state("nu"), state("mu_product"), state("count"),
+            "b1", "b2", LR, "weight_decay", "momentum_decay", "eps", "decoupled", "maximize",
+            IMPL,
+        ),
+        functional=FunctionalNAdam,
     ),
     Algorithm(
-        "radam",
-        "RAdam",
-        radam,
-        scale_by_radam,
-        ScaleByRadamState,
-        {ScaleByRadamState: {"count": "step", "mu": "exp_avg", "nu": "exp_avg_sq"}},
-        kernels.radam,
-        FunctionalRAdam,
+        name="radam",
+        torch_name="RAdam",
+        alias=radam,
+        transform=scale_by_radam,
+        state_type=ScaleByRadamState,
+        state_names={ScaleByRadamState: {"count": "step", "mu": "exp_avg", "nu": "exp_avg_sq"}},
+        kernel=kernels.radam,
+        kernel_args=(
+            PARAMS, GRADS, state("mu"), state("nu"), state("count"),
+            "b1", "b2", LR, "weight_decay", "eps", "decoupled", "maximize", IMPL,
+        ),
+        functional=FunctionalRAdam,
     ),
     Algorithm(
-        "asgd",
-        "ASGD",
-        asgd,
-        scale_by_asgd,
-        ScaleByAsgdState,
-        {ScaleByAsgdState: {"count": "step", "eta": "eta", "mu": "mu", "ax": "ax"}},
-        kernels.asgd,
-        FunctionalASGD,
+        name="asgd",
+        torch_name="ASGD",
+        alias=asgd,
+        transform=scale_by_asgd,
+        state_type=ScaleByAsgdState,
+        state_names={ScaleByAsgdState: {"count": "step", "eta": "eta", "mu": "mu", "ax": "ax"}},
+        kernel=kernels.asgd,
+        kernel_args=(
+            PARAMS, GRADS, state("ax"), state("mu"), state("eta"), state("count"),
+            "lambd", LR, "t0", "alpha", "weight_decay", "maximize", IMPL,
+        ),
+        functional=FunctionalASGD,
     ),
     Algorithm(
-        "adafactor",
-        "Adafactor",
-        adafactor,
-        scale_by_adafactor,
-        ScaleByAdafactorState,
-        {
+        name="adafactor",
+        torch_name="Adafactor",
+        alias=adafactor,
+        transform=scale_by_adafactor,
+        state_type=ScaleByAdafactorState,
+        state_names={
             ScaleByAdafactorState: {
                 "count": "step",
                 "row_var": "row_var",
@@ -263,42 +300,56 @@ ALGORITHMS: tuple[Algorithm, ...] = (
                 "variance": "variance",
             }
         },
-        kernels.adafactor,
-        FunctionalAdafactor,
+        kernel=kernels.adafactor,
+        kernel_args=(
+            PARAMS, GRADS, state("row_var"), state("col_var"), state("variance"),
+            state("count"), "d", LR, "beta2_decay", "weight_decay", "eps1", "eps2", "maximize",
+            IMPL,
+        ),
+        check_inputs=check_real,
+        functional=FunctionalAdafactor,
     ),
     Algorithm(
-        "muon",
-        "Muon",
-        muon,
-        scale_by_muon,
-        ScaleByMuonState,
-        {ScaleByMuonState: {"momentum_buffer": "momentum_buffer"}},
-        kernels.muon,
-        FunctionalMuon,
+        name="muon",
+        torch_name="Muon",
+        alias=muon,
+        transform=scale_by_muon,
+        state_type=ScaleByMuonState,
+        state_names={ScaleByMuonState: {"momentum_buffer": "momentum_buffer"}},
+        kernel=kernels.muon,
+        kernel_args=(
+            PARAMS, GRADS, state("momentum_buffer"), LR, "weight_decay", "momentum",
+            "nesterov", "ns_coefficients", "ns_steps", "eps", "adjust_lr_fn", IMPL,
+        ),
+        check_inputs=check_muon_inputs,
+        functional=FunctionalMuon,
     ),
     Algorithm(
-        "sparse_adam",
-        "SparseAdam",
-        sparse_adam,
-        scale_by_sparse_adam,
-        ScaleBySparseAdamState,
-        {ScaleBySparseAdamState: {"count": "step", "mu": "exp_avg", "nu": "exp_avg_sq"}},
-        kernels.sparse_adam,
-        None,
+        name="sparse_adam",
+        torch_name="SparseAdam",
+        alias=sparse_adam,
+        transform=scale_by_sparse_adam,
+        state_type=ScaleBySparseAdamState,
+        state_names={
+            ScaleBySparseAdamState: {"count": "step", "mu": "exp_avg", "nu": "exp_avg_sq"}
+        },
+        kernel=kernels.sparse_adam,
+        kernel_args=(
+            PARAMS, GRADS, state("mu"), state("nu"), state("count"),
+            "eps", "b1", "b2", LR, "maximize",
+        ),
         sparse_grads=True,
     ),
     Algorithm(
-        "lbfgs",
-        "LBFGS",
-        lbfgs,
-        scale_by_lbfgs,
-        LbfgsState,
-        {LbfgsState: {"memory": "memory"}},
-        None,
-        None,
+        name="lbfgs",
+        torch_name="LBFGS",
+        alias=lbfgs,
+        transform=scale_by_lbfgs,
+        state_type=LbfgsState,
+        state_names={LbfgsState: {"memory": "memory"}},
         needs_closure=True,
     ),
-)
+)  # fmt: skip
 
 #: The entries by alias name.
 BY_NAME: dict[str, Algorithm] = {a.name: a for a in ALGORITHMS}
@@ -316,14 +367,14 @@ def by_torch_name(torch_name: str) -> Algorithm:
     raise KeyError(f"no functional_optim algorithm mirrors torch.optim.{torch_name}")
 
 
-def torch_state_names() -> dict[type, dict[str, str]]:
-    """State type -> (field -> torch's per-param state key), merged over every entry.
+def merged_state_names(algorithms: Iterable[Algorithm]) -> dict[type, dict[str, str]]:
+    """State type -> (field -> torch's per-param state key), merged over ``algorithms``.
 
     Raises:
         ValueError: if two entries give one state type different names.
     """
     merged: dict[type, dict[str, str]] = {}
-    for algorithm in ALGORITHMS:
+    for algorithm in algorithms:
         for state_type, names in algorithm.state_names.items():
             known = merged.setdefault(state_type, dict(names))
             if known != dict(names):
@@ -332,3 +383,16 @@ def torch_state_names() -> dict[type, dict[str, str]]:
                     f"with another entry ({names} vs {known})"
                 )
     return merged
+
+
+def torch_state_names() -> dict[type, dict[str, str]]:
+    """:func:`merged_state_names` over every registered entry."""
+    return merged_state_names(ALGORITHMS)
+
+
+#: The merged state names of the registered entries, kept current by
+#: ``_registration.register_algorithm``; ``_torch_state`` reads it.
+TORCH_STATE_NAMES: dict[type, dict[str, str]] = torch_state_names()
+for _algorithm in ALGORITHMS:
+    if _algorithm.kernel_spec is not None:
+        SPECS[_algorithm.name] = _algorithm.kernel_spec

@@ -19,15 +19,16 @@ from typing import Any
 from torch import Tensor
 
 from functional_optim._base import OptState
-from functional_optim._registry import torch_state_names
+from functional_optim._registry import TORCH_STATE_NAMES
 from functional_optim._transforms.hyperparams import InjectHyperparamsState
 from functional_optim._tree import PyTree, TreeSpec, tree_structure
 
 __all__ = ["from_torch_state", "to_torch_state"]
 
 
-#: State type -> (field -> torch's per-param state key), from the algorithm registry.
-_TORCH_NAMES: dict[type, dict[str, str]] = torch_state_names()
+#: State type -> (field -> torch's per-param state key), from the algorithm registry (the live
+#: dict: an algorithm registered at run time is found too).
+_TORCH_NAMES: dict[type, dict[str, str]] = TORCH_STATE_NAMES
 
 
 def _is_component(node: Any) -> bool:

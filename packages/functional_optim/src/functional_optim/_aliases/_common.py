@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -67,11 +66,6 @@ def torch_chain(
         *scalers,
         scale_by_learning_rate(lr),
     )
-
-
-def with_step(tx: GradientTransformation, step: Any, **hyperparams: Any) -> GradientTransformation:
-    """``tx`` with its fused ``step`` set to ``partial(step, **hyperparams)``."""
-    return tx._replace(step=partial(step, **hyperparams))
 
 
 def component(state: OptState, state_type: type[S]) -> S:

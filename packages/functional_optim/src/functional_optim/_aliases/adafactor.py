@@ -4,54 +4,17 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from functional_optim import kernels
-from functional_optim._aliases._common import FlatView, as_float, component, maximize_tx, with_step
-from functional_optim._base import GradientTransformation, OptState, chain
+from functional_optim._aliases._common import maximize_tx
+from functional_optim._aliases._kernel_step import fused
+from functional_optim._base import GradientTransformation, chain
 from functional_optim._transforms._leaf import is_traced
 from functional_optim._transforms.adafactor import (
-    ScaleByAdafactorState,
-    check_real,
     scale_by_adafactor,
 )
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.weight_decay import add_decayed_weights
-from functional_optim._tree import PyTree
 
 __all__ = ["adafactor"]
-
-
-def _adafactor_step(
-    params: PyTree,
-    grads: PyTree,
-    state: OptState,
-    *,
-    lr: float | Tensor,
-    beta2_decay: float,
-    eps: tuple[float | None, float],
-    d: float,
-    weight_decay: float,
-    maximize: bool,
-) -> OptState:
-    view = FlatView(params, grads)
-    check_real(view.active_params, view.active_grads)
-    st = component(state, ScaleByAdafactorState)
-    kernels.adafactor(
-        view.active_params,
-        view.active_grads,
-        view.gather(st.row_var),
-        view.gather(st.col_var),
-        view.gather(st.variance),
-        view.gather(st.count),
-        d,
-        as_float(lr),  # the kernel takes a float, as torch's does
-        beta2_decay,
-        weight_decay,
-        eps[0],
-        eps[1],
-        maximize,
-        "auto",
-    )
-    return state
 
 
 def _check(lr: float | Tensor, beta2_decay: float, eps: tuple[float | None, float], d: float,
@@ -95,12 +58,13 @@ def _build_adafactor(
         scale_by_adafactor(rate, beta2_decay, eps, d),
         add_decayed_weights(decay),  # decoupled: param *= 1 - lr * wd
     )
-    return with_step(
+    return fused(
         tx,
-        _adafactor_step,
+        "adafactor",
         lr=lr,
         beta2_decay=beta2_decay,
-        eps=eps,
+        eps1=eps[0],
+        eps2=eps[1],
         d=d,
         weight_decay=weight_decay,
         maximize=maximize,

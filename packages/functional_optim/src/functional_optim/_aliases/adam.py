@@ -6,62 +6,21 @@ from typing import Any
 
 from torch import Tensor
 
-from functional_optim import kernels
 from functional_optim._aliases._common import (
-    FlatView,
     LearningRate,
     as_float,
     check_betas,
     check_lr,
     check_nonneg,
-    component,
-    lr_value,
     torch_chain,
-    with_step,
 )
-from functional_optim._base import GradientTransformation, OptState
-from functional_optim._transforms.adam import ScaleByAdamState, scale_by_adam
+from functional_optim._aliases._kernel_step import fused
+from functional_optim._base import GradientTransformation
+from functional_optim._transforms.adam import scale_by_adam
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.weight_decay import add_decayed_weights
-from functional_optim._tree import PyTree
 
 __all__ = ["adam", "adamw"]
-
-
-def _adam_step(
-    params: PyTree,
-    grads: PyTree,
-    state: OptState,
-    *,
-    lr: LearningRate,
-    b1: float,
-    b2: float,
-    eps: float,
-    weight_decay: float,
-    amsgrad: bool,
-    maximize: bool,
-    decoupled: bool,
-) -> OptState:
-    view = FlatView(params, grads)
-    st = component(state, ScaleByAdamState)
-    kernel = kernels.adamw if decoupled else kernels.adam
-    kernel(
-        view.active_params,
-        view.active_grads,
-        view.gather(st.mu),
-        view.gather(st.nu),
-        view.gather(st.nu_max) if amsgrad else [],
-        view.gather(st.count),
-        amsgrad,
-        b1,
-        b2,
-        lr_value(lr, state),
-        weight_decay,
-        eps,
-        maximize,
-        "auto",
-    )
-    return state
 
 
 def _build(
@@ -93,9 +52,9 @@ def _build(
         scale_by_adam(b1, b2, eps, amsgrad),
         add_decayed_weights(weight_decay if decoupled else 0.0),
     )
-    return with_step(
+    return fused(
         tx,
-        _adam_step,
+        "adamw" if decoupled else "adam",  # the decoupled kernel, same arguments
         lr=lr,
         b1=b1,
         b2=b2,
@@ -103,7 +62,6 @@ def _build(
         weight_decay=weight_decay,
         amsgrad=amsgrad,
         maximize=maximize,
-        decoupled=decoupled,
     )
 
 

@@ -4,29 +4,22 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from functional_optim import kernels
 from functional_optim._aliases._common import (
-    FlatView,
     LearningRate,
     as_float,
     check_betas,
     check_lr,
     check_nonneg,
-    component,
-    lr_value,
     torch_chain,
-    with_step,
 )
-from functional_optim._base import GradientTransformation, OptState
+from functional_optim._aliases._kernel_step import fused
+from functional_optim._base import GradientTransformation
 from functional_optim._transforms.adam_variants import (
-    ScaleByNadamState,
-    ScaleByRadamState,
     scale_by_nadam,
     scale_by_radam,
 )
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.weight_decay import add_decayed_weights
-from functional_optim._tree import PyTree
 
 __all__ = ["nadam", "radam"]
 
@@ -39,42 +32,6 @@ def _check_adam_like(lr: LearningRate, betas: Betas, eps: float, weight_decay: f
     check_nonneg(eps, "epsilon value")
     check_betas(betas)
     check_nonneg(weight_decay, "weight_decay value")
-
-
-def _nadam_step(
-    params: PyTree,
-    grads: PyTree,
-    state: OptState,
-    *,
-    lr: LearningRate,
-    b1: float,
-    b2: float,
-    eps: float,
-    weight_decay: float,
-    momentum_decay: float,
-    decoupled: bool,
-    maximize: bool,
-) -> OptState:
-    view = FlatView(params, grads)
-    st = component(state, ScaleByNadamState)
-    kernels.nadam(
-        view.active_params,
-        view.active_grads,
-        view.gather(st.mu),
-        view.gather(st.nu),
-        view.gather(st.mu_product),
-        view.gather(st.count),
-        b1,
-        b2,
-        lr_value(lr, state),
-        weight_decay,
-        momentum_decay,
-        eps,
-        decoupled,
-        maximize,
-        "auto",
-    )
-    return state
 
 
 def _build_nadam(
@@ -97,9 +54,9 @@ def _build_nadam(
         scale_by_nadam(b1, b2, eps, momentum_decay),
         add_decayed_weights(weight_decay if decoupled else 0.0),
     )
-    return with_step(
+    return fused(
         tx,
-        _nadam_step,
+        "nadam",
         lr=lr,
         b1=b1,
         b2=b2,
@@ -150,39 +107,6 @@ def nadam(
     )
 
 
-def _radam_step(
-    params: PyTree,
-    grads: PyTree,
-    state: OptState,
-    *,
-    lr: LearningRate,
-    b1: float,
-    b2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-    maximize: bool,
-) -> OptState:
-    view = FlatView(params, grads)
-    st = component(state, ScaleByRadamState)
-    kernels.radam(
-        view.active_params,
-        view.active_grads,
-        view.gather(st.mu),
-        view.gather(st.nu),
-        view.gather(st.count),
-        b1,
-        b2,
-        lr_value(lr, state),
-        weight_decay,
-        eps,
-        decoupled,
-        maximize,
-        "auto",
-    )
-    return state
-
-
 def _build_radam(
     lr: LearningRate,
     betas: Betas,
@@ -201,9 +125,9 @@ def _build_radam(
         scale_by_radam(b1, b2, eps),
         add_decayed_weights(weight_decay if decoupled else 0.0),
     )
-    return with_step(
+    return fused(
         tx,
-        _radam_step,
+        "radam",
         lr=lr,
         b1=b1,
         b2=b2,

@@ -4,59 +4,24 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from functional_optim import kernels
 from functional_optim._aliases._common import (
-    FlatView,
     LearningRate,
     as_float,
     check_betas,
     check_lr,
     check_nonneg,
-    component,
-    lr_value,
     torch_chain,
-    with_step,
 )
-from functional_optim._base import GradientTransformation, OptState
-from functional_optim._transforms.adam import ScaleByAdamaxState, scale_by_adamax
+from functional_optim._aliases._kernel_step import fused
+from functional_optim._base import GradientTransformation
+from functional_optim._transforms.adam import scale_by_adamax
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.rms import (
-    ScaleByAdadeltaState,
-    ScaleByAdagradState,
     scale_by_adadelta,
     scale_by_adagrad,
 )
-from functional_optim._tree import PyTree
 
 __all__ = ["adadelta", "adagrad", "adamax"]
-
-
-def _adagrad_step(
-    params: PyTree,
-    grads: PyTree,
-    state: OptState,
-    *,
-    lr: LearningRate,
-    weight_decay: float,
-    lr_decay: float,
-    eps: float,
-    maximize: bool,
-) -> OptState:
-    view = FlatView(params, grads)
-    st = component(state, ScaleByAdagradState)
-    kernels.adagrad(
-        view.active_params,
-        view.active_grads,
-        view.gather(st.sum_of_squares),
-        view.gather(st.count),
-        lr_value(lr, state),
-        weight_decay,
-        lr_decay,
-        eps,
-        maximize,
-        "auto",
-    )
-    return state
 
 
 def _build_adagrad(
@@ -75,9 +40,9 @@ def _build_adagrad(
     tx = torch_chain(
         maximize, weight_decay, lr, scale_by_adagrad(lr_decay, eps, initial_accumulator_value)
     )
-    return with_step(
+    return fused(
         tx,
-        _adagrad_step,
+        "adagrad",
         lr=lr,
         weight_decay=weight_decay,
         lr_decay=lr_decay,
@@ -122,35 +87,6 @@ def adagrad(
     )
 
 
-def _adadelta_step(
-    params: PyTree,
-    grads: PyTree,
-    state: OptState,
-    *,
-    lr: LearningRate,
-    rho: float,
-    eps: float,
-    weight_decay: float,
-    maximize: bool,
-) -> OptState:
-    view = FlatView(params, grads)
-    st = component(state, ScaleByAdadeltaState)
-    kernels.adadelta(
-        view.active_params,
-        view.active_grads,
-        view.gather(st.nu),
-        view.gather(st.acc_delta),
-        view.gather(st.count),
-        lr_value(lr, state),
-        rho,
-        eps,
-        weight_decay,
-        maximize,
-        "auto",
-    )
-    return state
-
-
 def _build_adadelta(
     lr: LearningRate, rho: float, eps: float, weight_decay: float, maximize: bool
 ) -> GradientTransformation:
@@ -160,8 +96,8 @@ def _build_adadelta(
     check_nonneg(eps, "epsilon value")
     check_nonneg(weight_decay, "weight_decay value")
     tx = torch_chain(maximize, weight_decay, lr, scale_by_adadelta(rho, eps))
-    return with_step(
-        tx, _adadelta_step, lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize
+    return fused(
+        tx, "adadelta", lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize
     )
 
 
@@ -194,37 +130,6 @@ def adadelta(
     )
 
 
-def _adamax_step(
-    params: PyTree,
-    grads: PyTree,
-    state: OptState,
-    *,
-    lr: LearningRate,
-    b1: float,
-    b2: float,
-    eps: float,
-    weight_decay: float,
-    maximize: bool,
-) -> OptState:
-    view = FlatView(params, grads)
-    st = component(state, ScaleByAdamaxState)
-    kernels.adamax(
-        view.active_params,
-        view.active_grads,
-        view.gather(st.mu),
-        view.gather(st.nu),
-        view.gather(st.count),
-        eps,
-        b1,
-        b2,
-        lr_value(lr, state),
-        weight_decay,
-        maximize,
-        "auto",
-    )
-    return state
-
-
 def _build_adamax(
     lr: LearningRate,
     betas: tuple[float | Tensor, float | Tensor],
@@ -238,9 +143,9 @@ def _build_adamax(
     check_nonneg(weight_decay, "weight_decay value")
     b1, b2 = as_float(betas[0]), as_float(betas[1])
     tx = torch_chain(maximize, weight_decay, lr, scale_by_adamax(b1, b2, eps))
-    return with_step(
+    return fused(
         tx,
-        _adamax_step,
+        "adamax",
         lr=lr,
         b1=b1,
         b2=b2,

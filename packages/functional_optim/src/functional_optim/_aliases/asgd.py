@@ -4,55 +4,18 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from functional_optim import kernels
 from functional_optim._aliases._common import (
-    FlatView,
-    as_float,
     check_lr,
     check_nonneg,
-    component,
     maximize_tx,
-    with_step,
 )
-from functional_optim._base import GradientTransformation, OptState, chain
-from functional_optim._transforms.asgd import ScaleByAsgdState, scale_by_asgd
+from functional_optim._aliases._kernel_step import fused
+from functional_optim._base import GradientTransformation, chain
+from functional_optim._transforms.asgd import scale_by_asgd
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.weight_decay import add_decayed_weights
-from functional_optim._tree import PyTree
 
 __all__ = ["asgd"]
-
-
-def _asgd_step(
-    params: PyTree,
-    grads: PyTree,
-    state: OptState,
-    *,
-    lr: float | Tensor,
-    lambd: float,
-    alpha: float,
-    t0: float,
-    weight_decay: float,
-    maximize: bool,
-) -> OptState:
-    view = FlatView(params, grads)
-    st = component(state, ScaleByAsgdState)
-    kernels.asgd(
-        view.active_params,
-        view.active_grads,
-        view.gather(st.ax),
-        view.gather(st.mu),
-        view.gather(st.eta),
-        view.gather(st.count),
-        lambd,
-        as_float(lr),  # the kernel takes a float, as torch's does
-        t0,
-        alpha,
-        weight_decay,
-        maximize,
-        "auto",
-    )
-    return state
 
 
 def _build_asgd(
@@ -74,9 +37,9 @@ def _build_asgd(
         add_decayed_weights(weight_decay),
         scale_by_asgd(lr if isinstance(lr, Tensor) else float(lr), lambd, alpha, t0),
     )
-    return with_step(
+    return fused(
         tx,
-        _asgd_step,
+        "asgd",
         lr=lr,
         lambd=lambd,
         alpha=alpha,

@@ -4,62 +4,21 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from functional_optim import kernels
 from functional_optim._aliases._common import (
-    FlatView,
     LearningRate,
-    component,
-    lr_value,
-    with_step,
 )
-from functional_optim._base import GradientTransformation, OptState, chain
+from functional_optim._aliases._kernel_step import fused
+from functional_optim._base import GradientTransformation, chain
 from functional_optim._transforms._leaf import is_traced
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.muon import (
     DEFAULT_NS_COEFFICIENTS,
-    ScaleByMuonState,
-    check_muon_inputs,
     scale_by_muon,
 )
 from functional_optim._transforms.scale import scale_by_learning_rate
 from functional_optim._transforms.weight_decay import add_decayed_weights
-from functional_optim._tree import PyTree
 
 __all__ = ["muon"]
-
-
-def _muon_step(
-    params: PyTree,
-    grads: PyTree,
-    state: OptState,
-    *,
-    lr: LearningRate,
-    weight_decay: float,
-    momentum: float,
-    nesterov: bool,
-    ns_coefficients: tuple[float, float, float],
-    eps: float,
-    ns_steps: int,
-    adjust_lr_fn: str | None,
-) -> OptState:
-    view = FlatView(params, grads)
-    check_muon_inputs(view.active_params, view.active_grads)
-    st = component(state, ScaleByMuonState)
-    kernels.muon(
-        view.active_params,
-        view.active_grads,
-        view.gather(st.momentum_buffer),
-        lr_value(lr, state),
-        weight_decay,
-        momentum,
-        nesterov,
-        ns_coefficients,
-        ns_steps,
-        eps,
-        adjust_lr_fn,
-        "auto",
-    )
-    return state
 
 
 def _check(
@@ -96,9 +55,9 @@ def _build_muon(
         add_decayed_weights(weight_decay),
         scale_by_learning_rate(lr),
     )
-    return with_step(
+    return fused(
         tx,
-        _muon_step,
+        "muon",
         lr=lr,
         weight_decay=weight_decay,
         momentum=momentum,

@@ -4,71 +4,23 @@ from __future__ import annotations
 
 import torch
 
-from functional_optim import kernels
 from functional_optim._aliases._common import (
-    FlatView,
     LearningRate,
     as_float,
     check_lr,
     check_nonneg,
-    component,
-    lr_value,
     maximize_tx,
-    replace_component,
     torch_chain,
-    with_step,
 )
-from functional_optim._base import GradientTransformation, OptState, chain
+from functional_optim._aliases._kernel_step import fused
+from functional_optim._base import GradientTransformation, chain
 from functional_optim._transforms.hyperparams import inject_hyperparams
-from functional_optim._transforms.momentum import TraceState, trace
-from functional_optim._transforms.rms import ScaleByRmsState, scale_by_rms
-from functional_optim._transforms.rprop import ScaleByRpropState, scale_by_rprop
+from functional_optim._transforms.momentum import trace
+from functional_optim._transforms.rms import scale_by_rms
+from functional_optim._transforms.rprop import scale_by_rprop
 from functional_optim._transforms.scale import scale
-from functional_optim._tree import PyTree
 
 __all__ = ["rmsprop", "rprop"]
-
-
-def _rmsprop_step(
-    params: PyTree,
-    grads: PyTree,
-    state: OptState,
-    *,
-    lr: LearningRate,
-    alpha: float,
-    eps: float,
-    weight_decay: float,
-    momentum: float,
-    centered: bool,
-    maximize: bool,
-) -> OptState:
-    view = FlatView(params, grads)
-    st = component(state, ScaleByRmsState)
-    bufs = view.leaves(component(state, TraceState).momentum_buffer)
-    if momentum > 0:
-        for i in view.idx:
-            if bufs[i] is None:  # torch starts RMSprop's buffer at zeros
-                p = view.params[i]
-                bufs[i] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    kernels.rmsprop(
-        view.active_params,
-        view.active_grads,
-        view.gather(st.nu),
-        view.gather(st.mu) if centered else [],
-        view.take(bufs) if momentum > 0 else [],
-        view.gather(st.count),
-        lr_value(lr, state),
-        alpha,
-        eps,
-        weight_decay,
-        momentum,
-        centered,
-        maximize,
-        "auto",
-    )
-    if momentum == 0:
-        return state
-    return replace_component(state, TraceState(view.unflatten(bufs)))
 
 
 def _build_rmsprop(
@@ -88,9 +40,9 @@ def _build_rmsprop(
     tx = torch_chain(
         maximize, weight_decay, lr, scale_by_rms(alpha, eps, centered), trace(momentum)
     )
-    return with_step(
+    return fused(
         tx,
-        _rmsprop_step,
+        "rmsprop",
         lr=lr,
         alpha=alpha,
         eps=eps,
@@ -140,33 +92,6 @@ def rmsprop(
     )
 
 
-def _rprop_step(
-    params: PyTree,
-    grads: PyTree,
-    state: OptState,
-    *,
-    etas: tuple[float, float],
-    step_sizes: tuple[float, float],
-    maximize: bool,
-) -> OptState:
-    view = FlatView(params, grads)
-    st = component(state, ScaleByRpropState)
-    kernels.rprop(
-        view.active_params,
-        view.active_grads,
-        view.gather(st.prev),
-        view.gather(st.step_size),
-        view.gather(st.count),
-        float(step_sizes[0]),
-        float(step_sizes[1]),
-        float(etas[0]),
-        float(etas[1]),
-        maximize,
-        "auto",
-    )
-    return state
-
-
 def _build_rprop(
     lr: LearningRate,
     etas: tuple[float, float],
@@ -183,7 +108,15 @@ def _build_rprop(
         scale_by_rprop(as_float(lr), etas, step_sizes),
         scale(-1.0),
     )
-    return with_step(tx, _rprop_step, etas=etas, step_sizes=step_sizes, maximize=maximize)
+    return fused(
+        tx,
+        "rprop",
+        step_size_min=float(step_sizes[0]),
+        step_size_max=float(step_sizes[1]),
+        etaminus=float(etas[0]),
+        etaplus=float(etas[1]),
+        maximize=maximize,
+    )
 
 
 def rprop(

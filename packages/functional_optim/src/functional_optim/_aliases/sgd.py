@@ -4,58 +4,18 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from functional_optim import kernels
 from functional_optim._aliases._common import (
-    FlatView,
     LearningRate,
     check_lr,
     check_nonneg,
-    component,
-    lr_value,
-    replace_component,
     torch_chain,
-    with_step,
 )
-from functional_optim._base import GradientTransformation, OptState
+from functional_optim._aliases._kernel_step import fused
+from functional_optim._base import GradientTransformation
 from functional_optim._transforms.hyperparams import inject_hyperparams
-from functional_optim._transforms.momentum import TraceState, trace
-from functional_optim._tree import PyTree
+from functional_optim._transforms.momentum import trace
 
 __all__ = ["sgd"]
-
-
-def _sgd_step(
-    params: PyTree,
-    grads: PyTree,
-    state: OptState,
-    *,
-    lr: LearningRate,
-    momentum: float,
-    dampening: float,
-    weight_decay: float,
-    nesterov: bool,
-    maximize: bool,
-) -> OptState:
-    view = FlatView(params, grads)
-    bufs = view.leaves(component(state, TraceState).momentum_buffer)
-    taken = view.take(bufs)
-    kernels.sgd(
-        view.active_params,
-        view.active_grads,
-        taken,
-        lr_value(lr, state),
-        momentum,
-        dampening,
-        weight_decay,
-        nesterov,
-        maximize,
-        "auto",
-    )
-    if momentum == 0:
-        return state
-    for i, buf in zip(view.idx, taken, strict=True):
-        bufs[i] = buf  # the kernel stores a new buffer on a param's first step
-    return replace_component(state, TraceState(view.unflatten(bufs)))
 
 
 def _build(
@@ -72,9 +32,9 @@ def _build(
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
     tx = torch_chain(maximize, weight_decay, lr, trace(momentum, dampening, nesterov))
-    return with_step(
+    return fused(
         tx,
-        _sgd_step,
+        "sgd",
         lr=lr,
         momentum=momentum,
         dampening=dampening,

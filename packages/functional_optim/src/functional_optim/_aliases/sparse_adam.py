@@ -4,55 +4,21 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from functional_optim import kernels
 from functional_optim._aliases._common import (
-    FlatView,
     LearningRate,
     as_float,
     check_betas,
-    component,
-    lr_value,
     maximize_tx,
-    with_step,
 )
-from functional_optim._base import GradientTransformation, OptState, chain
+from functional_optim._aliases._kernel_step import fused
+from functional_optim._base import GradientTransformation, chain
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.scale import scale_by_learning_rate
 from functional_optim._transforms.sparse_adam import (
-    ScaleBySparseAdamState,
     scale_by_sparse_adam,
 )
-from functional_optim._tree import PyTree
 
 __all__ = ["sparse_adam"]
-
-
-def _sparse_adam_step(
-    params: PyTree,
-    grads: PyTree,
-    state: OptState,
-    *,
-    lr: LearningRate,
-    b1: float,
-    b2: float,
-    eps: float,
-    maximize: bool,
-) -> OptState:
-    view = FlatView(params, grads)
-    st = component(state, ScaleBySparseAdamState)
-    kernels.sparse_adam(
-        view.active_params,
-        view.active_grads,
-        view.gather(st.mu),
-        view.gather(st.nu),
-        view.gather(st.count),
-        eps,
-        b1,
-        b2,
-        lr_value(lr, state),
-        maximize,
-    )
-    return state
 
 
 def _build_sparse_adam(
@@ -68,7 +34,7 @@ def _build_sparse_adam(
     check_betas(betas)
     b1, b2 = as_float(betas[0]), as_float(betas[1])
     tx = chain(maximize_tx(maximize), scale_by_sparse_adam(b1, b2, eps), scale_by_learning_rate(lr))
-    return with_step(tx, _sparse_adam_step, lr=lr, b1=b1, b2=b2, eps=eps, maximize=maximize)
+    return fused(tx, "sparse_adam", lr=lr, b1=b1, b2=b2, eps=eps, maximize=maximize)
 
 
 def sparse_adam(
