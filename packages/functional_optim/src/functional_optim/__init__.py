@@ -50,6 +50,7 @@ from functional_optim._base import (
 )
 from functional_optim._lists import LeafView, ListTransform
 from functional_optim._optimizer import Optimizer
+from functional_optim._pure_step import PureStepFn, pure_step
 from functional_optim._registry import ALGORITHMS, Algorithm
 from functional_optim._schedules import (
     constant_schedule,
@@ -223,6 +224,7 @@ __all__ = [
     "MultiTransformState",
     "OptState",
     "Optimizer",
+    "PureStepFn",
     "ScaleByAdadeltaState",
     "ScaleByAdafactorState",
     "ScaleByAdagradState",
@@ -299,6 +301,7 @@ __all__ = [
     "piecewise_constant_schedule",
     "piecewise_interpolate_schedule",
     "polynomial_schedule",
+    "pure_step",
     "radam",
     "rmsprop",
     "rprop",
