@@ -31,18 +31,20 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from functional_optim import kernels
 from functional_optim._base import GradientTransformation, OptState, apply_updates
 from functional_optim._fusion import _decay_split, _learning_rate, _lists, plan_tail
 from functional_optim._lists import (
     LeafView,
     _copy_state,
+    by_device_dtype,
     pure_apply_all,
     recording,
     with_active_leaves,
 )
 from functional_optim._transforms.hyperparams import InjectHyperparamsState, injected_inner
 from functional_optim._tree import PyTree
+from functional_optim.kernels._dispatch import resolve_impl
+from functional_optim.kernels.adam import adam_impl
 
 __all__ = ["CHUNK_BYTES", "PureStepFn", "pure_step"]
 
@@ -161,18 +163,21 @@ def _fused(
 
 
 def _chunks(tensors: Sequence[Tensor], positions: Sequence[int], chunk: int) -> list[list[int]]:
-    """``positions`` cut in order into runs of about ``chunk`` bytes (of ``tensors``)."""
+    """``positions`` cut in order into runs of one device and dtype, each of about ``chunk``
+    bytes (of ``tensors``)."""
     out: list[list[int]] = []
-    run: list[int] = []
-    size = 0
-    for j in positions:
-        run.append(j)
-        size += tensors[j].numel() * tensors[j].element_size()
-        if size >= chunk:
+    for group in by_device_dtype([tensors[j] for j in positions]):
+        run: list[int] = []
+        size = 0
+        for k in group:
+            j = positions[k]
+            run.append(j)
+            size += tensors[j].numel() * tensors[j].element_size()
+            if size >= chunk:
+                out.append(run)
+                run, size = [], 0
+        if run:
             out.append(run)
-            run, size = [], 0
-    if run:
-        out.append(run)
     return out
 
 
@@ -193,33 +198,41 @@ def _adam_chunks(
     chunk: int,
 ) -> tuple[list[Tensor], Any]:
     """Adam on copies of the params and moments, chunk by chunk; returns the new params and
-    the new ``ScaleByAdamState``."""
+    the new ``ScaleByAdamState``. The path (fused, foreach, single) is resolved once over all
+    the params, as ``tx.step`` does."""
     amsgrad = bool(hyper["amsgrad"])
     b1, b2, eps = float(hyper["b1"]), float(hyper["b2"]), float(hyper["eps"])
     params = view.params
-    mu, nu = view.gather(state.mu), view.gather(state.nu)
-    nu_max = view.gather(state.nu_max) if amsgrad else []
-    counts = [c.clone() for c in view.gather(state.count)]  # the kernel increments them
-    new_params, new_mu, new_nu = list(params), list(mu), list(nu)
-    new_max = list(nu_max)
+    sources = [params, view.gather(state.mu), view.gather(state.nu)]
+    if amsgrad:
+        sources.append(view.gather(state.nu_max))
+    old_counts = view.gather(state.count)
+    counts = list(torch._foreach_add(old_counts, 1)) if old_counts else []
+    impl = resolve_impl("auto", params, True) if params else "fused"
+    new = [list(src) for src in sources]
     for positions, wd in groups:
-        kernel = kernels.adamw if wd != 0.0 else kernels.adam
         for run in _chunks(params, positions, chunk):
-            p = _fresh([params[j] for j in run])
-            m = _fresh([mu[j] for j in run])
-            v = _fresh([nu[j] for j in run])
-            v_max = _fresh([nu_max[j] for j in run]) if amsgrad else []
+            p, m, v, *rest = [_fresh([src[j] for j in run]) for src in sources]
+            v_max = rest[0] if rest else []
             g = [updates[j] for j in run]
-            c = [counts[j] for j in run]
-            kernel(p, g, m, v, v_max, c, amsgrad, b1, b2, lr, wd, eps, False, "auto")
-            for k, j in enumerate(run):
-                new_params[j], new_mu[j], new_nu[j] = p[k], m[k], v[k]
-                if amsgrad:
-                    new_max[j] = v_max[k]
+            if impl == "fused":  # counts already incremented: call torch's kernel directly
+                fused = torch._fused_adamw_ if wd != 0.0 else torch._fused_adam_
+                c = [counts[j] for j in run]
+                fused(p, g, m, v, v_max, c, lr=lr, beta1=b1, beta2=b2, weight_decay=wd,
+                      eps=eps, amsgrad=amsgrad, maximize=False)  # fmt: skip
+            else:
+                c = [old_counts[j].clone() for j in run]  # the kernel increments them
+                adam_impl(
+                    p, g, m, v, v_max, c, amsgrad, b1, b2, lr, wd, eps, False, wd != 0.0, impl
+                )
+            for buffer, copies in zip(new, (p, m, v, v_max), strict=False):
+                for j, x in zip(run, copies, strict=True):
+                    buffer[j] = x
+    new_mu, new_nu = new[1], new[2]
     new_state = state._replace(
         count=with_active_leaves(view, state.count, counts),
         mu=with_active_leaves(view, state.mu, new_mu),
         nu=with_active_leaves(view, state.nu, new_nu),
-        nu_max=with_active_leaves(view, state.nu_max, new_max) if amsgrad else state.nu_max,
+        nu_max=with_active_leaves(view, state.nu_max, new[3]) if amsgrad else state.nu_max,
     )
-    return new_params, new_state
+    return new[0], new_state
