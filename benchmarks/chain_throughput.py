@@ -24,6 +24,9 @@ Rows:
   kernel);
 * ``pure adam`` and ``pure adamw chain``: ``tx.update`` + ``apply_updates`` (nothing mutated)
   vs ``Adam(fused=True)``;
+* ``pure step adam`` and ``pure step adamw chain``: ``fo.pure_step(tx)`` (the update and
+  ``apply_updates`` in one pure call: new params and state, nothing mutated) vs
+  ``Adam(fused=True)`` and clip + ``AdamW(fused=True)``;
 * ``alias adam``: ``fo.Optimizer(fo.adam())`` and ``FunctionalAdam.step`` vs ``Adam(fused=True)``.
 
 No peer library: optax (JAX) is not installed here.
@@ -110,6 +113,17 @@ def _ours_pure(tx: fo.GradientTransformation, p: list[Tensor], g: list[Tensor]) 
         box[0] = fo.apply_updates(box[0], updates)
 
     return step
+
+
+def _ours_pure_step(tx: fo.GradientTransformation, p: list[Tensor], g: list[Tensor]) -> Step:
+    box: list[Any] = [[x.clone() for x in p], None]
+    box[1] = tx.init(box[0])
+    step = fo.pure_step(tx)
+
+    def run() -> None:
+        box[0], box[1] = step(box[0], g, box[1])
+
+    return run
 
 
 def _torch_clip_adamw(groups: Callable[[list[Tensor]], Any], clip: bool = True) -> Any:
@@ -213,6 +227,10 @@ def _rows() -> list[tuple[str, str, Any, str, Any]]:
          "Adam(fused)", _torch_adam),
         ("pure adamw chain", "chain update", lambda p, g: _ours_pure(adamw, p, g),
          "Adam(fused)", _torch_adam),
+        ("pure step adam", "fo.pure_step(fo.adam)",
+         lambda p, g: _ours_pure_step(fo.adam(lr=LR), p, g), "Adam(fused)", _torch_adam),
+        ("pure step adamw chain", "fo.pure_step(chain)",
+         lambda p, g: _ours_pure_step(adamw, p, g), clip_adamw, _torch_clip_adamw(list)),
         ("alias adam", "fo.Optimizer(fo.adam)",
          lambda p, g: _ours_optimizer(fo.adam(lr=LR), p, g), "Adam(fused)", _torch_adam),
         ("alias adam", "FunctionalAdam.step", _functional_adam, "Adam(fused)", _torch_adam),

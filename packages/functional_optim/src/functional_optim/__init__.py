@@ -50,6 +50,7 @@ from functional_optim._base import (
 )
 from functional_optim._lists import LeafView, ListTransform
 from functional_optim._optimizer import Optimizer
+from functional_optim._pure_step import PureStepFn, pure_step
 from functional_optim._registration import (
     on_algorithm_registered,
     publish_all,
@@ -230,6 +231,7 @@ __all__ = [
     "MultiTransformState",
     "OptState",
     "Optimizer",
+    "PureStepFn",
     "ScaleByAdadeltaState",
     "ScaleByAdafactorState",
     "ScaleByAdagradState",
@@ -307,6 +309,7 @@ __all__ = [
     "piecewise_constant_schedule",
     "piecewise_interpolate_schedule",
     "polynomial_schedule",
+    "pure_step",
     "radam",
     "register_algorithm",
     "rmsprop",

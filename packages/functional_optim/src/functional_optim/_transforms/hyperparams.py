@@ -8,6 +8,7 @@ the state before a step, so ``torch.optim.lr_scheduler`` schedulers drive the tr
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any, NamedTuple
 
@@ -17,7 +18,12 @@ from functional_optim._base import GradientTransformation, OptState, StepFn
 from functional_optim._lists import LeafView, ListTransform
 from functional_optim._tree import PyTree
 
-__all__ = ["InjectHyperparamsState", "inject_hyperparams"]
+__all__ = ["InjectHyperparamsState", "inject_hyperparams", "injected_inner"]
+
+Builder = Callable[[dict[str, Any]], GradientTransformation]
+
+#: an injected transform's ``init`` -> its ``build(hyperparams)`` (read by :func:`injected_inner`)
+_BUILDERS: weakref.WeakKeyDictionary[Callable[..., Any], Builder] = weakref.WeakKeyDictionary()
 
 
 class InjectHyperparamsState(NamedTuple):
@@ -157,6 +163,7 @@ def inject_hyperparams(
             updates, inner = inner_lists.apply(updates, inner, view)
             return updates, InjectHyperparamsState(state.hyperparams, inner)
 
+        _BUILDERS[init] = build
         fused: StepFn | None = step if base.step is not None else None
         lists = None
         if base.lists is not None:
@@ -165,3 +172,22 @@ def inject_hyperparams(
         return GradientTransformation(init, update, fused, lists)
 
     return wrapped
+
+
+def injected_inner(
+    tx: GradientTransformation, state: OptState
+) -> tuple[GradientTransformation, OptState] | None:
+    """The inner transform and inner state of an injected ``tx`` at ``state``'s hyperparameters.
+
+    Args:
+        tx: any transform.
+        state: its state.
+
+    Returns:
+        ``(inner transform, inner state)``, or None when ``tx`` is not an injected transform
+        (or ``state`` is not its state).
+    """
+    build = _BUILDERS.get(tx.init)
+    if build is None or not isinstance(state, InjectHyperparamsState):
+        return None
+    return build(state.hyperparams), _forward(state.hyperparams, state.inner_state)
