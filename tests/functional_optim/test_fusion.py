@@ -84,6 +84,7 @@ LIST_TRANSFORMS: dict[str, Callable[[], fo.GradientTransformation]] = {
     "scale_by_adafactor": fo.scale_by_adafactor,
     "scale_by_rms_debiased": fo.scale_by_rms_debiased,
     "schedule_free": lambda: fo.schedule_free(fo.sgd(0.1), 0.1),
+    "add_noise": lambda: fo.add_noise(0.3, 0.55, 7),
 }
 
 
@@ -467,6 +468,7 @@ PURE_CHAINS: dict[str, Callable[[], fo.GradientTransformation]] = {
     "schedule_free": STEP_CASES["schedule_free_rms_debiased"][0],
     "adafactor": STEP_CASES["adafactor"][0],
     "asgd": STEP_CASES["asgd"][0],
+    "add_noise": lambda: fo.chain(fo.add_noise(0.3, 0.55, 7), fo.scale_by_adam(), fo.scale(-LR)),
 }
 
 
