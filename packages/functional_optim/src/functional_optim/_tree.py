@@ -57,7 +57,8 @@ _FLAT_LEAF_TYPES = frozenset({Tensor, torch.nn.Parameter, type(None)})
 
 @functools.lru_cache(maxsize=64)
 def _list_spec(length: int) -> TreeSpec:
-    return optree.tree_structure([None] * length, none_is_leaf=NONE_IS_LEAF, namespace=NAMESPACE)
+    leaves: Any = [None] * length
+    return optree.tree_structure(leaves, none_is_leaf=NONE_IS_LEAF, namespace=NAMESPACE)
 
 
 def tree_flatten(tree: PyTree) -> tuple[list[Any], TreeSpec]:
