@@ -22,6 +22,9 @@ Rows:
 * ``rmsprop chain``: ``chain(clip_by_global_norm, scale_by_rms, scale_by_learning_rate)`` vs
   ``clip_grad_norm_(foreach=True)`` + ``RMSprop(foreach=True)`` (torch's RMSprop has no fused
   kernel);
+* ``finite adamw``: ``apply_if_finite(adamw chain without clip)`` vs torch's AMP finiteness
+  check (``_amp_foreach_non_finite_check_and_unscale_`` at scale 1, what ``GradScaler.unscale_``
+  runs) then ``AdamW(fused=True)`` when the gradients are finite;
 * ``pure adam`` and ``pure adamw chain``: ``tx.update`` + ``apply_updates`` (nothing mutated)
   vs ``Adam(fused=True)``;
 * ``pure step adam`` and ``pure step adamw chain``: ``fo.pure_step(tx)`` (the update and
@@ -151,6 +154,20 @@ def _two_groups(key: str, other: Any) -> Callable[[list[Tensor]], Any]:
     return groups
 
 
+def _torch_finite_adamw(p: list[Tensor], g: list[Tensor]) -> Step:
+    leaves = _leaves(p, g)
+    opt = torch.optim.AdamW(leaves, lr=LR, weight_decay=WD, fused=True)
+    grads = [leaf.grad for leaf in leaves]
+    found, one = torch.zeros(1), torch.ones(1)
+
+    def step() -> None:
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+        if float(found) == 0.0:
+            opt.step()
+
+    return step
+
+
 def _torch_clip_rmsprop(p: list[Tensor], g: list[Tensor]) -> Step:
     leaves = _leaves(p, g)
     opt = torch.optim.RMSprop(leaves, lr=LR, foreach=True)
@@ -206,6 +223,7 @@ def _rows() -> list[tuple[str, str, Any, str, Any]]:
         )
     )
     rms = _clip_then(fo.chain(fo.scale_by_rms(), fo.scale_by_learning_rate(LR)))
+    finite = fo.apply_if_finite(_adamw_chain(fo.add_decayed_weights(WD)), 3)
     clip_adamw = "clip_grad_norm_ + AdamW(fused)"
     clip_rmsprop = "clip_grad_norm_ + RMSprop(foreach)"
     return [
@@ -223,6 +241,8 @@ def _rows() -> list[tuple[str, str, Any, str, Any]]:
          _torch_clip_rmsprop),
         ("rmsprop chain", "tx.step", lambda p, g: _ours_tx_step(rms, p, g), clip_rmsprop,
          _torch_clip_rmsprop),
+        ("finite adamw", "fo.Optimizer", lambda p, g: _ours_optimizer(finite, p, g),
+         "AMP finite check + AdamW(fused)", _torch_finite_adamw),
         ("pure adam", "fo.adam update", lambda p, g: _ours_pure(fo.adam(lr=LR), p, g),
          "Adam(fused)", _torch_adam),
         ("pure adamw chain", "chain update", lambda p, g: _ours_pure(adamw, p, g),

@@ -80,6 +80,11 @@ LIST_TRANSFORMS: dict[str, Callable[[], fo.GradientTransformation]] = {
     "ema": lambda: fo.ema(0.9),
     "scale_by_nadam": lambda: fo.scale_by_nadam(momentum_decay=0.1),
     "scale_by_radam": fo.scale_by_radam,
+    "scale_by_asgd": lambda: fo.scale_by_asgd(0.1, t0=2),
+    "scale_by_adafactor": fo.scale_by_adafactor,
+    "scale_by_rms_debiased": fo.scale_by_rms_debiased,
+    "schedule_free": lambda: fo.schedule_free(fo.sgd(0.1), 0.1),
+    "add_noise": lambda: fo.add_noise(0.3, 0.55, 7),
 }
 
 
@@ -360,6 +365,15 @@ STEP_CASES: dict[str, tuple[Callable[[], fo.GradientTransformation], str]] = {
         "adamax",
     ),
     "rprop": (lambda: fo.rprop(LR), "lr"),
+    "schedule_free_rms_debiased": (
+        lambda: fo.chain(
+            fo.clip_by_global_norm(1.0),
+            fo.schedule_free(fo.chain(fo.scale_by_rms_debiased(), fo.scale(-LR)), LR),
+        ),
+        "add",
+    ),
+    "adafactor": (lambda: fo.chain(fo.clip_by_global_norm(1.0), fo.scale_by_adafactor()), "add"),
+    "asgd": (lambda: fo.chain(fo.clip(0.5), fo.scale_by_asgd(LR, t0=2)), "add"),
 }
 
 
@@ -423,8 +437,9 @@ def test_leafwise_lists_copy_an_output_that_is_a_state_buffer() -> None:
 
 
 def test_chain_without_list_maths_has_no_step_and_nested_chains_fuse() -> None:
-    assert fo.chain(fo.scale_by_adam(), fo.add_noise(0.01, 0.55, 0)).step is None
-    assert fo.masked(fo.add_noise(0.01, 0.55, 0), is_matrix).lists is None
+    no_lists = fo.add_noise(0.01, 0.55, 0)._replace(lists=None)  # a transform without lists
+    assert fo.chain(fo.scale_by_adam(), no_lists).step is None
+    assert fo.masked(no_lists, is_matrix).lists is None
     nested = fo.chain(fo.clip_by_global_norm(1.0), adamw_chain())
     assert plan_tail(nested.lists.hyper["transforms"]).rule == "step"  # type: ignore[union-attr]
 
@@ -451,6 +466,10 @@ PURE_CHAINS: dict[str, Callable[[], fo.GradientTransformation]] = {
     "schedule": STEP_CASES["adam_schedule"][0],
     "ema_no_debias_then_scale": STEP_CASES["ema_no_debias_then_scale"][0],
     "optax_adaptive": STEP_CASES["belief_yogi_adan"][0],
+    "schedule_free": STEP_CASES["schedule_free_rms_debiased"][0],
+    "adafactor": STEP_CASES["adafactor"][0],
+    "asgd": STEP_CASES["asgd"][0],
+    "add_noise": lambda: fo.chain(fo.add_noise(0.3, 0.55, 7), fo.scale_by_adam(), fo.scale(-LR)),
 }
 
 

@@ -77,8 +77,9 @@ def test_matches_torch_bitwise(entry: Entry) -> None:
 def test_generic_chain_uses_fallback_and_leaves_grads() -> None:
     params = make_params(dtype=torch.float64)
     grads = make_grads(params, 5, none_every=2)
-    # add_noise has no list maths, so this chain has no step and runs the fallback.
-    tx = fo.chain(fo.clip_by_global_norm(1.0), fo.add_noise(0.01, 0.55, 0), fo.scale(-0.01))
+    # add_noise without its list maths: this chain has no step and runs the fallback.
+    noise = fo.add_noise(0.01, 0.55, 0)._replace(lists=None)
+    tx = fo.chain(fo.clip_by_global_norm(1.0), noise, fo.scale(-0.01))
     assert tx.step is None
     leaves = leaves_of(params)
     opt = fo.Optimizer(leaves, tx)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import namedtuple
 from typing import Any
 
+import optree
 import pytest
 import torch
 from hypothesis import given, settings
@@ -124,3 +125,31 @@ def test_namespace_registration() -> None:
     doubled = _tree.tree_scale(box, 2.0)
     assert isinstance(doubled, Box)
     assert torch.equal(doubled.a, torch.full((2,), 2.0))
+
+
+class _Node(Tensor):
+    """A tensor subclass registered as a pytree node (its child is its plain tensor)."""
+
+
+def test_flat_list_shortcut_gives_optree_leaves_and_spec() -> None:
+    """A list of tensors/Parameters/None skips optree's walk with optree's exact result."""
+    optree.register_pytree_node(
+        _Node,
+        lambda t: ([t.as_subclass(Tensor)], None, None),
+        lambda _, children: children[0].as_subclass(_Node),
+        namespace=_tree.NAMESPACE,
+    )
+    try:
+        node = torch.ones(2).as_subclass(_Node)
+        param = torch.nn.Parameter(torch.ones(2))
+        for tree in ([], [torch.ones(1), None, param], [torch.ones(1), node]):
+            leaves, spec = _tree.tree_flatten(tree)
+            ref_leaves, ref_spec = optree.tree_flatten(
+                tree, none_is_leaf=True, namespace=_tree.NAMESPACE
+            )
+            assert spec == ref_spec
+            assert [type(x) for x in leaves] == [type(x) for x in ref_leaves]
+            assert all(a is b for a, b in zip(leaves, ref_leaves, strict=True)) or tree[-1] is node
+            assert leaves is not tree
+    finally:
+        optree.unregister_pytree_node(_Node, namespace=_tree.NAMESPACE)

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from functional_optim import kernels
+from functional_optim._counts import increment_counts
 from functional_optim._lists import LeafView, ListTransform
 from functional_optim._tree import PyTree
 
@@ -208,7 +209,7 @@ def _lion_tail(
     lr = _learning_rate(txs[-1], state=states[-1])
     wd, decayed, _ = _decay_split(txs, view)
     mu = view.gather(state.mu)
-    torch._foreach_add_(view.gather(state.count), 1)
+    increment_counts(view.gather(state.count))
     if wd != 0.0:
         params = view.params if decayed is None else [view.params[j] for j in decayed]
         if params:
@@ -227,7 +228,7 @@ def _rms_tail(
     wd, decayed, _ = _decay_split(txs, view)
     alpha, eps = float(hyper["alpha"]), float(hyper["eps"])
     nu = view.gather(state.nu)
-    torch._foreach_add_(view.gather(state.count), 1)
+    increment_counts(view.gather(state.count))
     torch._foreach_mul_(nu, alpha)
     torch._foreach_addcmul_(nu, updates, updates, value=1 - alpha)
     if hyper["centered"]:
@@ -253,7 +254,7 @@ def _adamax_tail(
     wd, decayed, _ = _decay_split(txs, view)
     b1 = float(hyper["b1"])
     counts, mu, nu = view.gather(state.count), view.gather(state.mu), view.gather(state.nu)
-    torch._foreach_add_(counts, 1)
+    increment_counts(counts)
     torch._foreach_lerp_(mu, updates, 1 - b1)
     torch._foreach_mul_(nu, float(hyper["b2"]))
     bound = torch._foreach_abs(updates)

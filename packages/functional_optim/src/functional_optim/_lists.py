@@ -24,6 +24,9 @@ writes_updates)``; for example ``scale``::
   ``view.params`` are the matching params. Use ``torch._foreach_*`` ops, in the per-leaf op
   order: it must give the same numbers as ``update(..., inplace=True)``, bitwise (test it as
   tests/functional_optim/test_fusion.py does for the built-in ones).
+* per-leaf step counters (``_ops.zero_counts``) are incremented with
+  ``_ops.increment_counts(view.gather(state.count))``: one op for the whole block of counters
+  that ``init`` made (see :mod:`functional_optim._counts`), ``_foreach_add_`` otherwise.
 * ``writes_updates=False`` when ``apply`` only reads ``updates`` and returns new tensors (the
   pure path then skips a copy of the caller's gradients).
 * ``key`` and ``hyper`` name the maths and its hyperparameters (``"scale_by_adam"``,

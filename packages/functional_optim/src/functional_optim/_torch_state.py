@@ -19,6 +19,7 @@ from typing import Any
 from torch import Tensor
 
 from functional_optim._base import OptState
+from functional_optim._counts import detached_count, repacked_like
 from functional_optim._registry import TORCH_STATE_NAMES
 from functional_optim._transforms.hyperparams import InjectHyperparamsState
 from functional_optim._tree import PyTree, TreeSpec, tree_structure
@@ -74,7 +75,10 @@ def to_torch_state(state: OptState, params: PyTree) -> tuple[list[dict[str, Any]
 
     Returns:
         ``(per_param, group_state)``: ``per_param[i]`` is param ``i``'s dict (tensors shared
-        with ``state``, not copied); ``group_state`` holds the other entries.
+        with ``state``, not copied, except the step counters: they are views into one buffer,
+        see :mod:`functional_optim._counts`, and come out as standalone copies, so that
+        pickling the dict does not copy that buffer once per param); ``group_state`` holds the
+        other entries.
     """
     spec = tree_structure(params)
     per_param: list[dict[str, Any]] = [{} for _ in range(spec.num_leaves)]
@@ -89,7 +93,7 @@ def to_torch_state(state: OptState, params: PyTree) -> tuple[list[dict[str, Any]
             if is_per_param:
                 for d, leaf in zip(per_param, spec.flatten_up_to(value), strict=True):
                     if leaf is not None:
-                        d[key] = leaf
+                        d[key] = detached_count(leaf)
             else:
                 group[key] = value
     return per_param, group
@@ -117,7 +121,9 @@ def from_torch_state(
         group_state: the group-level entries.
 
     Returns:
-        A state of the template's structure, values cast to the template's dtypes and devices.
+        A state of the template's structure, values cast to the template's dtypes and devices
+        (step counters packed into one new buffer as ``init`` packs them; the template is not
+        written to).
 
     Raises:
         ValueError: if ``per_param`` has the wrong length.
@@ -141,7 +147,7 @@ def from_torch_state(
                     _restore(leaf, d[key]) if key in d else leaf
                     for leaf, d in zip(leaves, per_param, strict=True)
                 ]
-                values[field] = spec.unflatten(new)
+                values[field] = spec.unflatten(repacked_like(leaves, new))
             else:
                 values[field] = _restore(value, group_state[key]) if key in group_state else value
         rebuilt[path] = type(comp)(**values)

@@ -14,6 +14,7 @@ unflatten once; nothing calls a Python function per leaf through ``tree_map`` on
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
@@ -50,8 +51,21 @@ PyTree: TypeAlias = Any
 TreeSpec: TypeAlias = optree.PyTreeSpec
 
 
+#: Leaf types of a flat list that :func:`tree_flatten` reads without optree's walk.
+_FLAT_LEAF_TYPES = frozenset({Tensor, torch.nn.Parameter, type(None)})
+
+
+@functools.lru_cache(maxsize=64)
+def _list_spec(length: int) -> TreeSpec:
+    leaves: Any = [None] * length
+    return optree.tree_structure(leaves, none_is_leaf=NONE_IS_LEAF, namespace=NAMESPACE)
+
+
 def tree_flatten(tree: PyTree) -> tuple[list[Any], TreeSpec]:
     """Flatten ``tree`` under the package policy.
+
+    A plain list of tensors (a param list, the common case) skips optree's walk, which costs
+    about 0.5 ms per 1000 leaves: its structure depends on its length only.
 
     Args:
         tree: a pytree.
@@ -59,6 +73,8 @@ def tree_flatten(tree: PyTree) -> tuple[list[Any], TreeSpec]:
     Returns:
         ``(leaves, treespec)``; ``None`` entries are leaves.
     """
+    if type(tree) is list and set(map(type, tree)) <= _FLAT_LEAF_TYPES:
+        return list(tree), _list_spec(len(tree))
     leaves, spec = optree.tree_flatten(tree, none_is_leaf=NONE_IS_LEAF, namespace=NAMESPACE)
     return leaves, spec
 

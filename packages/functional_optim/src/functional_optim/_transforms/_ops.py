@@ -13,6 +13,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+# the step counters live in _counts; re-exported for the transforms that spell _ops.zero_counts
+from functional_optim._counts import increment_counts as increment_counts
+from functional_optim._counts import scalar_dtype as scalar_dtype
+from functional_optim._counts import zero_counts as zero_counts
 from functional_optim._tree import PyTree, TreeSpec, leaves_like, tree_flatten
 
 Scalar = float | Tensor
@@ -61,20 +65,6 @@ def maximum(x: Tensor, y: Tensor, inplace: bool) -> Tensor:
 def increment(count: Tensor, inplace: bool) -> Tensor:
     """``count + 1`` (a 0-d step counter)."""
     return count.add_(1) if inplace else count + 1
-
-
-def scalar_dtype() -> torch.dtype:
-    """dtype of torch's ``state['step']``: float64 under a float64 default dtype, else float32."""
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-
-
-def zero_counts(params: PyTree) -> PyTree:
-    """One 0-d step counter per param (``None`` for a ``None`` param), on the param's device
-    (the fused kernels need it there; on CPU this is where torch keeps it too)."""
-    leaves, spec = tree_flatten(params)
-    dtype = scalar_dtype()
-    counts = [None if p is None else torch.zeros((), dtype=dtype, device=p.device) for p in leaves]
-    return spec.unflatten(counts)
 
 
 def bias_correction(beta: float, count: Tensor) -> Tensor:

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState
 from functional_optim._transforms import _ops
+from functional_optim._transforms._leafwise import leafwise_lists
 from functional_optim._tree import PyTree, tree_flatten
 
 __all__ = ["ScaleByAdafactorState", "check_real", "scale_by_adafactor"]
@@ -134,4 +135,5 @@ def scale_by_adafactor(
         columns = (counts, rows, cols, full)
         return spec.unflatten(out), ScaleByAdafactorState(*(spec.unflatten(c) for c in columns))
 
-    return GradientTransformation(init, update)
+    lists = leafwise_lists("scale_by_adafactor", {"lr": lr, "d": d}, update)
+    return GradientTransformation(init, update, lists=lists)

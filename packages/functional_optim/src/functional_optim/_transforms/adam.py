@@ -85,7 +85,7 @@ def scale_by_adam(
         if not updates:
             return updates, state
         counts, mu, nu = view.gather(state.count), view.gather(state.mu), view.gather(state.nu)
-        torch._foreach_add_(counts, 1)
+        _ops.increment_counts(counts)
         torch._foreach_lerp_(mu, updates, 1 - b1)
         torch._foreach_mul_(nu, b2)
         torch._foreach_addcmul_(nu, updates, updates, value=1 - b2)
@@ -195,7 +195,7 @@ def scale_by_adamax(
         if not updates:
             return updates, state
         counts, mu, nu = view.gather(state.count), view.gather(state.mu), view.gather(state.nu)
-        torch._foreach_add_(counts, 1)
+        _ops.increment_counts(counts)
         torch._foreach_lerp_(mu, updates, 1 - b1)
         torch._foreach_mul_(nu, b2)
         bound = torch._foreach_abs(updates)

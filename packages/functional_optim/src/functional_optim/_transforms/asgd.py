@@ -9,6 +9,7 @@ from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState
 from functional_optim._transforms import _ops
+from functional_optim._transforms._leafwise import leafwise_lists
 from functional_optim._tree import PyTree, tree_flatten, tree_zeros_like
 
 __all__ = ["ScaleByAsgdState", "scale_by_asgd"]
@@ -123,4 +124,6 @@ def scale_by_asgd(
         counts[i] = count
         return new_p.sub(p)
 
-    return GradientTransformation(init, update)
+    hyper = {"lr": lr, "lambd": lambd, "alpha": alpha, "t0": t0}
+    lists = leafwise_lists("scale_by_asgd", hyper, update)
+    return GradientTransformation(init, update, lists=lists)

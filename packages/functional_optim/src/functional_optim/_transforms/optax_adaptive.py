@@ -193,7 +193,7 @@ def scale_by_lion(
         if not updates:
             return updates, state
         mu = view.gather(state.mu)
-        torch._foreach_add_(view.gather(state.count), 1)
+        _ops.increment_counts(view.gather(state.count))
         out = list(torch._foreach_mul(updates, 1 - b1))
         torch._foreach_add_(out, torch._foreach_mul(mu, b1))
         torch._foreach_sign_(out)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState, UpdateFn, init_empty
-from functional_optim._lists import LeafView, ListTransform
+from functional_optim._lists import LeafView, ListTransform, foreach_scaled
 from functional_optim._transforms import _ops
 from functional_optim._transforms._leaf import debias as debias_moment
 from functional_optim._transforms._leaf import moment, safe_norm, store
@@ -351,4 +351,30 @@ def add_noise(eta: Scalar, gamma: Scalar, seed: int) -> GradientTransformation:
         key = state.rng_key.copy_(next_key) if inplace else next_key
         return spec.unflatten(out), AddNoiseState(count, key)
 
-    return GradientTransformation(init, update)
+    def draw(updates: list[Tensor], state: OptState, inplace: bool) -> tuple[list[Tensor], Any]:
+        """``update``'s maths over a list: the same draws in the same order, then
+        ``u + std * noise`` in one ``_foreach`` call per dtype (new tensors)."""
+        count = _ops.increment(state.count, inplace)
+        std = torch.sqrt(eta / count.to(torch.float64) ** gamma)
+        gen = torch.Generator().manual_seed(int(state.rng_key))
+        noise = [torch.randn(u.shape, generator=gen, dtype=u.dtype).to(u.device) for u in updates]
+        out = foreach_scaled(noise, std)
+        if out:
+            torch._foreach_add_(out, updates)
+        next_key = torch.randint(0, 2**62, (), generator=gen, dtype=torch.int64)
+        key = state.rng_key.copy_(next_key) if inplace else next_key
+        return out, AddNoiseState(count, key)
+
+    def apply(updates: list[Tensor], state: OptState, view: LeafView) -> tuple[list[Tensor], Any]:
+        del view
+        return draw(updates, state, inplace=True)
+
+    def apply_pure(
+        updates: list[Tensor], state: OptState, view: LeafView
+    ) -> tuple[list[Tensor], Any]:
+        del view
+        return draw(updates, state, inplace=False)
+
+    hyper = {"eta": eta, "gamma": gamma, "seed": seed}
+    lists = ListTransform("add_noise", hyper, apply, False, apply_pure)
+    return GradientTransformation(init, update, lists=lists)

@@ -92,7 +92,7 @@ def scale_by_rms(
         if not updates:
             return updates, state
         nu = view.gather(state.nu)
-        torch._foreach_add_(view.gather(state.count), 1)
+        _ops.increment_counts(view.gather(state.count))
         torch._foreach_mul_(nu, alpha)
         torch._foreach_addcmul_(nu, updates, updates, value=1 - alpha)
         if centered:
@@ -150,7 +150,7 @@ def scale_by_adagrad(
         if not updates:
             return updates, state
         counts, sums = view.gather(state.count), view.gather(state.sum_of_squares)
-        torch._foreach_add_(counts, 1)
+        _ops.increment_counts(counts)
         torch._foreach_addcmul_(sums, updates, updates, value=1.0)
         std = torch._foreach_sqrt(sums)
         torch._foreach_add_(std, eps)
@@ -220,7 +220,7 @@ def scale_by_adadelta(rho: float = 0.9, eps: float = 1e-6) -> GradientTransforma
         if not updates:
             return updates, state
         nu, acc = view.gather(state.nu), view.gather(state.acc_delta)
-        torch._foreach_add_(view.gather(state.count), 1)
+        _ops.increment_counts(view.gather(state.count))
         torch._foreach_mul_(nu, rho)
         torch._foreach_addcmul_(nu, updates, updates, value=1 - rho)
         std = torch._foreach_add(nu, eps)

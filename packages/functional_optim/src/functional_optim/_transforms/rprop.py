@@ -77,7 +77,7 @@ def scale_by_rprop(
         if not updates:
             return updates, state
         prev, sizes = view.gather(state.prev), view.gather(state.step_size)
-        torch._foreach_add_(view.gather(state.count), 1)
+        _ops.increment_counts(view.gather(state.count))
         signs = torch._foreach_mul(updates, prev)
         torch._foreach_sign_(signs)
         factors = [

@@ -15,6 +15,7 @@ from torch import Tensor
 from functional_optim._base import GradientTransformation, OptState
 from functional_optim._transforms import _ops
 from functional_optim._transforms._leaf import debias, moment, store
+from functional_optim._transforms._leafwise import leafwise_lists
 from functional_optim._transforms.hyperparams import InjectHyperparamsState
 from functional_optim._transforms.scale import Schedule
 from functional_optim._tree import PyTree, tree_flatten, tree_zeros_like
@@ -76,7 +77,8 @@ def scale_by_rms_debiased(
 
         return _ops.map_state(updates, state, ScaleByRmsWithCountState, leaf)
 
-    return GradientTransformation(init, update)
+    lists = leafwise_lists("scale_by_rms_debiased", {"decay": decay, "eps": eps}, update)
+    return GradientTransformation(init, update, lists=lists)
 
 
 def _find_state(state: OptState) -> ScheduleFreeState | None:
@@ -231,4 +233,5 @@ def schedule_free(
         )
         return spec.unflatten(out), new_state
 
-    return GradientTransformation(init, update)
+    lists = leafwise_lists("schedule_free", {"b1": b1}, update)
+    return GradientTransformation(init, update, lists=lists)

@@ -12,12 +12,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import optree
 import torch
 from torch import Tensor
 
-from functional_optim._base import GradientTransformation, OptState
+from functional_optim._base import GradientTransformation, OptState, StepFn
+from functional_optim._fusion import view_step
+from functional_optim._lists import LeafView, ListTransform, by_device_dtype, pure_apply_all
 from functional_optim._transforms._leaf import is_traced
-from functional_optim._tree import PyTree, tree_clone, tree_flatten, tree_zeros_like
+from functional_optim._tree import NAMESPACE, PyTree, tree_clone, tree_flatten, tree_zeros_like
+
+#: dtypes torch's AMP finiteness check takes.
+_AMP_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 __all__ = [
     "ApplyIfFiniteState",
@@ -48,8 +54,37 @@ def _all_finite(updates: PyTree) -> Tensor:
     return torch.stack([c.to(checks[0].device) for c in checks]).all()
 
 
+def all_finite_lists(tensors: list[Tensor], consumed: bool) -> Tensor:
+    """Whether every tensor is free of NaN and infinity (a 0-d bool).
+
+    With ``consumed`` (the tensors may be written), floating tensors are checked by torch's AMP
+    check (``_amp_foreach_non_finite_check_and_unscale_`` with scale 1, which leaves every
+    value as it is) in one call per device and dtype; other tensors one by one.
+    """
+    if not tensors:
+        return torch.ones((), dtype=torch.bool)
+    fast = [i for i, t in enumerate(tensors) if consumed and t.dtype in _AMP_DTYPES]
+    flags: list[Tensor] = []
+    for group in by_device_dtype([tensors[i] for i in fast]):
+        ts = [tensors[fast[j]] for j in group]
+        found = torch.zeros(1, dtype=torch.float32, device=ts[0].device)
+        one = torch.ones(1, dtype=torch.float32, device=ts[0].device)
+        torch._amp_foreach_non_finite_check_and_unscale_(ts, found, one)
+        flags.append(found[0] == 0)
+    chosen = set(fast)
+    rest = [t for i, t in enumerate(tensors) if i not in chosen]
+    flags.extend(torch.isfinite(t).all() for t in rest)
+    device = flags[0].device
+    return torch.stack([f.to(device) for f in flags]).all()
+
+
 def _zeros(updates: PyTree) -> PyTree:
     return tree_zeros_like(updates)
+
+
+def _copied(state: OptState) -> OptState:
+    leaves, spec = optree.tree_flatten(state, none_is_leaf=True, namespace=NAMESPACE)
+    return spec.unflatten([x.clone() if isinstance(x, Tensor) else x for x in leaves])
 
 
 def _where_tree(pred: Tensor, a: PyTree, b: PyTree) -> PyTree:
@@ -97,15 +132,24 @@ def apply_if_finite(
             zero, torch.ones((), dtype=torch.bool), zero.clone(), inner.init(params)
         )
 
-    def update(
-        updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
-    ) -> tuple[PyTree, OptState]:
-        finite = _all_finite(updates).to(state.notfinite_count.device)
+    def decide(finite: Tensor, state: OptState) -> tuple[Tensor, Tensor, Tensor]:
+        """``(notfinite_count, total_notfinite, accept)`` after a step of finiteness ``finite``."""
         count = torch.where(
             finite, torch.zeros_like(state.notfinite_count), state.notfinite_count + 1
         )
         total = torch.where(finite, state.total_notfinite, state.total_notfinite + 1)
-        accept = torch.logical_or(finite, count > max_consecutive_errors)
+        return count, total, torch.logical_or(finite, count > max_consecutive_errors)
+
+    def store(state: OptState, count: Tensor, finite: Tensor, total: Tensor) -> None:
+        state.notfinite_count.copy_(count)
+        state.last_finite.copy_(finite)
+        state.total_notfinite.copy_(total)
+
+    def update(
+        updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
+    ) -> tuple[PyTree, OptState]:
+        finite = _all_finite(updates).to(state.notfinite_count.device)
+        count, total, accept = decide(finite, state)
         if is_traced(accept) and not inplace:
             new_updates, new_inner = inner.update(updates, state.inner_state, params)
             out = _where_tree(accept, new_updates, _zeros(updates))
@@ -115,13 +159,57 @@ def apply_if_finite(
         else:
             out, inner_state = _zeros(updates), state.inner_state
         if inplace:
-            state.notfinite_count.copy_(count)
-            state.last_finite.copy_(finite)
-            state.total_notfinite.copy_(total)
+            store(state, count, finite, total)
             count, finite, total = state.notfinite_count, state.last_finite, state.total_notfinite
         return out, ApplyIfFiniteState(count, finite, total, inner_state)
 
-    return GradientTransformation(init, update)
+    def step(params: PyTree, grads: PyTree, state: OptState) -> OptState:
+        """The inner ``step`` when the gradients are finite (or too many steps were skipped);
+        otherwise params and inner state stay as they are."""
+        assert inner.step is not None
+        view = LeafView(params, grads)
+        finite = all_finite_lists(view.grads, consumed=True).to(state.notfinite_count.device)
+        count, total, accept = decide(finite, state)
+        inner_state = state.inner_state
+        if bool(accept):
+            on_view = view_step(inner.step)
+            if on_view is not None:
+                inner_state = on_view(params, view, inner_state)
+            else:
+                inner_state = inner.step(params, grads, inner_state)
+        store(state, count, finite, total)
+        return state._replace(inner_state=inner_state)
+
+    def apply(updates: list[Tensor], state: OptState, view: LeafView) -> tuple[list[Tensor], Any]:
+        assert inner.lists is not None
+        finite = all_finite_lists(updates, consumed=True).to(state.notfinite_count.device)
+        count, total, accept = decide(finite, state)
+        inner_state = state.inner_state
+        if bool(accept):
+            updates, inner_state = inner.lists.apply(updates, inner_state, view)
+        elif updates:
+            torch._foreach_zero_(updates)
+        store(state, count, finite, total)
+        return updates, state._replace(inner_state=inner_state)
+
+    def apply_pure(
+        updates: list[Tensor], state: OptState, view: LeafView
+    ) -> tuple[list[Tensor], Any]:
+        finite = all_finite_lists(updates, consumed=False).to(state.notfinite_count.device)
+        count, total, accept = decide(finite, state)
+        if bool(accept):
+            out, (inner_state,) = pure_apply_all((inner,), updates, (state.inner_state,), view)
+        else:
+            out = [torch.zeros_like(u) for u in updates]
+            inner_state = _copied(state.inner_state)
+        return out, ApplyIfFiniteState(count, finite, total, inner_state)
+
+    fused: StepFn | None = step if inner.step is not None else None
+    lists = None
+    if inner.lists is not None:
+        hyper = {"inner": inner.lists, "max_consecutive_errors": max_consecutive_errors}
+        lists = ListTransform("apply_if_finite", hyper, apply, True, apply_pure)
+    return GradientTransformation(init, update, fused, lists)
 
 
 def skip_not_finite(
