@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,9 @@ class Config:
     warmup: int  # linear warm-up steps, then cosine decay to lr / 10
     eval_windows: int
     corpus_bytes: int
+    outer_lr: float = 0.7  # DiLoCo's outer SGD (every DiLoCo method)
+    outer_momentum: float = 0.9
+    nesterov: bool = True
     seed: int = 0
 
     @property
@@ -260,7 +263,14 @@ def _make_method(name: str, model: nn.Module, config: Config) -> _Method:
         return _DDP(model)
     if name == "post-local SGD":
         return _PostLocalSGD(model, config.period)
+    import functional_optim as fo
+
     options = dict(METHODS[name] or {})
+    options["outer"] = fo.sgd(
+        lr=config.outer_lr,
+        momentum=config.outer_momentum,
+        nesterov=config.nesterov and config.outer_momentum > 0,
+    )
     if name.startswith("Streaming"):
         options["fragments"] = config.fragments
     return _DiLoCo(model, config.period, options)
@@ -387,11 +397,16 @@ def _fraction(part: float, whole: float) -> str:
     return f"1/{whole / part:.1f}" if part else "0"
 
 
+def _outer(config: Config) -> str:
+    kind = "Nesterov" if config.nesterov and config.outer_momentum else "SGD"
+    return f"outer {kind} lr {config.outer_lr:g} m {config.outer_momentum:g}"
+
+
 def _notes(name: str, result: dict[str, Any], diloco: dict[str, Any], config: Config) -> str:
     notes = {
         "DDP": "gradients every step",
         "post-local SGD": f"H={config.period}",
-        "DiLoCo": f"H={config.period}, outer Nesterov lr 0.7 m 0.9",
+        "DiLoCo": f"H={config.period}, {_outer(config)}",
         "Streaming DiLoCo": f"H={config.period}, P={config.fragments}, overlapped",
         "DiLoCo + int8": f"H={config.period}, int8 all-gather",
     }[name]
@@ -509,8 +524,25 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--out", default="bench-out", help="folder for the PNG [bench-out]")
     parser.add_argument("--worlds", default="2,4", help="world sizes, comma-separated [2,4]")
     parser.add_argument("--methods", default=",".join(METHODS), help="subset, comma-separated")
+    parser.add_argument("--syncs", type=int, help="outer syncs after step 1 [config's]")
+    parser.add_argument("--period", type=int, help="H, inner steps per sync [config's]")
+    parser.add_argument("--lr", type=float, help="peak inner AdamW learning rate [config's]")
+    parser.add_argument("--outer-lr", type=float, help="DiLoCo's outer SGD lr [config's]")
+    parser.add_argument("--outer-momentum", type=float, help="outer SGD momentum [config's]")
+    parser.add_argument(
+        "--nesterov", type=int, choices=(0, 1), help="outer Nesterov momentum, 0/1 [config's]"
+    )
     args = parser.parse_args(argv)
     config = QUICK if args.quick else FULL
+    overrides = {
+        "syncs": args.syncs,
+        "period": args.period,
+        "lr": args.lr,
+        "outer_lr": args.outer_lr,
+        "outer_momentum": args.outer_momentum,
+        "nesterov": None if args.nesterov is None else bool(args.nesterov),
+    }
+    config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
     names = [name.strip() for name in args.methods.split(",")]
     unknown = [name for name in names if name not in METHODS]
     if unknown:
