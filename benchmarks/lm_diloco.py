@@ -11,11 +11,12 @@ with the same learning-rate schedule (linear warm-up, cosine decay):
 - **post-local SGD**: ``compat_api``'s ``PostLocalSGDOptimizer`` around the AdamW with a
   ``PeriodicModelAverager``: parameters averaged every ``H`` steps (no DDP warm-up).
 - **DiLoCo**: ``compat_api``'s ``DiLoCoAverager`` every ``H`` steps, outer Nesterov SGD with
-  lr 0.7 and momentum 0.5 (Douillard et al. 2023 use momentum 0.9, tuned for 8 replicas over
-  many outer steps; with 2-4 ranks and 40 outer steps it overshoots: the sweep in the README
-  chose 0.5); **streaming**: ``P`` fragments on staggered schedules with the all-reduce
-  overlapped; **int8**: the outer gradients sent as int8. ``--outer-lr``, ``--outer-momentum``,
-  ``--nesterov``, ``--syncs``, ``--period`` and ``--lr`` override the configuration.
+  lr 1.0 and momentum 0.5 (Douillard et al. 2023 use lr 0.7, momentum 0.9, tuned for 8 replicas
+  over many outer steps; with 2-4 ranks and 20-40 outer steps that momentum overshoots: the
+  sweep in the README chose lr 1.0, momentum 0.5); **streaming**: ``P`` fragments on
+  staggered schedules with the all-reduce overlapped; **int8**: the outer gradients sent as
+  int8. ``--outer-lr``, ``--outer-momentum``, ``--nesterov``, ``--syncs``, ``--period`` and
+  ``--lr`` override the configuration.
 
 Bytes are counted the same way for every method: the size of each tensor this rank hands to
 ``dist.all_reduce`` / the all-gathers while it trains (wrapped for the run; DDP's hook and the
@@ -71,7 +72,7 @@ class Config:
     warmup: int  # linear warm-up steps, then cosine decay to lr / 10
     eval_windows: int
     corpus_bytes: int
-    outer_lr: float = 0.7  # DiLoCo's outer SGD (every DiLoCo method)
+    outer_lr: float = 1.0  # DiLoCo's outer SGD (every DiLoCo method)
     outer_momentum: float = 0.5  # the paper's 0.9 overshoots here (README, the sweep)
     nesterov: bool = True
     seed: int = 0

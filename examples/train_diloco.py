@@ -19,7 +19,7 @@ Each run records the bytes every rank has sent after each step, for the loss-vs-
 The averager's default outer step (lr 0.7, momentum 0.9, Douillard et al.) was tuned for 8
 replicas over many outer steps; with 2 ranks and about 25 outer steps its momentum overshoots
 (on the digits: DiLoCo 94.99% accuracy against DDP's 97.49%, 2026-11-23), so the two DiLoCo
-runs here use momentum 0.5 (97.49%), the setting ``benchmarks/lm_diloco.py``'s sweep chose.
+runs here use momentum 0.5 (97.49%), as ``benchmarks/lm_diloco.py``'s sweep found (README).
 
 Elastic mode (``--checkpoint-dir``) trains one DiLoCo run (``--elastic-variant``: Streaming
 DiLoCo int8 by default, or plain DiLoCo) and survives failures: every ``--checkpoint-every``
