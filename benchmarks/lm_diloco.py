@@ -575,8 +575,8 @@ def main(argv: list[str] | None = None) -> str:
             f"Config: {sizes}. Same initial weights, batches and schedule for every method. "
             "Loss: held-out nats/byte after the last step (mean over ranks). Payload: bytes of "
             "the tensors this rank hands to collectives. After step 1: without step 1, where "
-            "both averagers all-reduce the full fp32 parameters once (the ranks start from the "
-            "same weights, so it changes nothing but costs one sync); the steady-state cost. "
+            "both averagers all-reduce the full fp32 parameters once, after the first inner step, "
+            "to align the replicas for the first period; the steady-state cost. "
             "Ring wire: modelled bytes a ring sends per rank (all-reduce 2(n-1)/n x payload, "
             "all-gather (n-1) x payload). Peak: the largest payload of one step after step 1. "
             "Wall: training seconds of the slowest rank, evaluations excluded.",
