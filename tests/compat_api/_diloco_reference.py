@@ -41,6 +41,12 @@ CONFIGS: dict[str, tuple[tuple[str, float, float], dict[str, Any]]] = {
         ("nesterov", 0.7, 0.9),
         {"period": 4, "fragments": 2, "overlap": True, "overlap_delay": 1},
     ),
+    # ``params=`` at construction: the start copy is the synced state, no initial average.
+    "diloco from start": (("nesterov", 0.7, 0.9), {"period": 3, "start": True}),
+    "streaming overlap from start": (
+        ("nesterov", 0.7, 0.9),
+        {"period": 4, "fragments": 2, "overlap": True, "start": True},
+    ),
     "overlap delay 2 alpha 0": (
         ("nesterov", 0.7, 0.9),
         {"period": 4, "fragments": 3, "overlap": True, "overlap_delay": 2, "overlap_alpha": 0.0},
@@ -61,6 +67,7 @@ def reference(name: str, world_size: int) -> list[list[list[torch.Tensor]]]:
     """Float64, single process: the DiLoCo / Streaming DiLoCo formula for every rank."""
     (kind, lr, momentum), kwargs = CONFIGS[name]
     period, warmup = kwargs["period"], kwargs.get("warmup_steps", 0)
+    start = kwargs.get("start", False)
     n_frag = kwargs.get("fragments", 1)
     overlap = kwargs.get("overlap", False)
     delay = kwargs.get("overlap_delay", 1) if overlap else 0
@@ -69,7 +76,7 @@ def reference(name: str, world_size: int) -> list[list[list[torch.Tensor]]]:
     xs = [[t.clone() for t in init] for _ in range(world_size)]
     plan = plan_fragments([t.numel() for t in init], n_frag)
     offsets = fragment_offsets(period, n_frag)
-    synced: list[torch.Tensor] | None = None
+    synced: list[torch.Tensor] | None = [t.clone() for t in init] if start else None
     bufs: dict[int, torch.Tensor] = {}
     pending: dict[int, tuple[list[torch.Tensor], int]] = {}
 
@@ -90,7 +97,7 @@ def reference(name: str, world_size: int) -> list[list[list[torch.Tensor]]]:
             for t in x:
                 inner_step(t, rank, step)
         since = step - warmup
-        if since == 0:
+        if since == 0 and not start:
             synced = [sum(x[i] for x in xs) / world_size for i in range(len(init))]
             xs = [[s.clone() for s in synced] for _ in xs]
         elif since > 0:

@@ -46,10 +46,10 @@ def _make_params() -> list[torch.nn.Parameter]:
 
 
 def _trajectory(
-    rank: int, world_size: int, make: Callable[[], Any], steps: int = STEPS
+    rank: int, world_size: int, make: Callable[..., Any], steps: int = STEPS, start: bool = False
 ) -> list[list[torch.Tensor]]:
     params = _make_params()
-    averager = make()
+    averager = make(params) if start else make()
     out = []
     for step in range(steps):
         with torch.no_grad():
@@ -62,7 +62,13 @@ def _trajectory(
 
 def _run_config(rank: int, world_size: int, name: str) -> list[list[torch.Tensor]]:
     spec, kwargs = CONFIGS[name]
-    return _trajectory(rank, world_size, lambda: DiLoCoAverager(make_outer(spec), **kwargs))
+    kwargs = dict(kwargs)
+    start = kwargs.pop("start", False)
+
+    def make(params: Any = None) -> DiLoCoAverager:
+        return DiLoCoAverager(make_outer(spec), params=params, **kwargs)
+
+    return _trajectory(rank, world_size, make, start=start)
 
 
 @pytest.mark.parametrize("name", [n for n in CONFIGS if n != "sgd lr 1"])
@@ -441,3 +447,84 @@ def test_more_fragments_than_params_raises_before_anything_is_built(world2: Worl
     assert "intra_period" in messages[0]
     assert "intra_period" in messages[1]
     assert "group_size" in messages[2]
+
+
+# -- params= at construction: the start copy instead of an initial average -----------------------
+
+
+def _run_start_copy(rank: int, world_size: int, same_start: bool) -> dict[str, Any]:
+    params = _make_params()
+    if not same_start:
+        with torch.no_grad():
+            for p in params:
+                p.add_(0.25 * rank)
+    averager = DiLoCoAverager(fo.sgd(lr=1.0), period=3, params=params)
+    after_build = averager.bytes_communicated
+    start = [p.detach().clone() for p in params]
+    sent, before_sync = [], []
+    for step in range(4):
+        with torch.no_grad():
+            for p in params:
+                inner_step(p, rank, step)
+        before_sync = [p.detach().clone() for p in params]
+        averager.average_parameters(params)
+        sent.append(averager.bytes_communicated)
+    mean = [t.clone() for t in before_sync]
+    for t in mean:
+        torch.distributed.all_reduce(t)
+        t.div_(world_size)
+    return {
+        "after_build": after_build,
+        "start": start,
+        "sent": sent,
+        "final": [p.detach().clone() for p in params],
+        "mean": mean,
+    }
+
+
+@pytest.mark.parametrize("same_start", [True, False], ids=["same start", "different starts"])
+def test_start_copy_replaces_the_initial_average(world2: World, same_start: bool) -> None:
+    results = world2.run(_run_start_copy, same_start)
+    sizes = sum(math.prod(shape) * 4 for shape in SHAPES)
+    checksums = 4 * 8 * len(SHAPES)  # two int64 checksums per tensor and their complements
+    for r in results:
+        # Identical replicas cost only the checksums; different ones are averaged once.
+        assert r["after_build"] == checksums + (0 if same_start else sizes)
+        # No sync at the first call: the first one is a period (3 calls) after the start copy.
+        assert r["sent"] == [r["after_build"]] * 3 + [r["after_build"] + sizes]
+        for got, want in zip(r["final"], r["mean"], strict=True):  # outer sgd lr 1: the mean
+            torch.testing.assert_close(got, want, rtol=0, atol=8 * FP32_ULP * want.abs().max())
+    for a, b in zip(results[0]["start"], results[1]["start"], strict=True):
+        assert torch.equal(a, b)  # aligned at construction either way
+    for a, b in zip(results[0]["final"], results[1]["final"], strict=True):
+        assert torch.equal(a, b)
+
+
+def _run_start_copy_resume(rank: int, world_size: int) -> tuple[list[Any], list[Any]]:
+    def run(cut: int | None) -> list[torch.Tensor]:
+        params = _make_params()
+        averager = DiLoCoAverager(period=3, fragments=2, params=params)
+        for step in range(STEPS):
+            if step == cut:  # resume into an averager built without params
+                state = averager.state_dict()
+                averager = DiLoCoAverager(period=3, fragments=2)
+                averager.load_state_dict(state)
+            with torch.no_grad():
+                for p in params:
+                    inner_step(p, rank, step)
+            averager.average_parameters(params)
+        return [p.detach().clone() for p in params]
+
+    return run(None), run(4)
+
+
+def test_start_copy_resumes_bitwise(world2: World) -> None:
+    for straight, resumed in world2.run(_run_start_copy_resume):
+        for a, b in zip(straight, resumed, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_start_copy_needs_no_warmup() -> None:
+    params = _make_params()
+    with pytest.raises(ValueError, match="warmup_steps=0"):
+        DiLoCoAverager(period=3, warmup_steps=2, params=params)

@@ -44,6 +44,7 @@ from dist_runtime.fragment_plan import (
 from dist_runtime.hierarchy import build_period_groups, check_hierarchy
 from dist_runtime.outer_sync import OuterSync
 from dist_runtime.pseudo_gradient import PseudoGradientReducer
+from dist_runtime.replica_check import replicas_identical
 
 __all__ = ["DiLoCoAverager", "HierarchicalDiLoCoAverager", "default_outer", "slowmo_averager"]
 
@@ -55,6 +56,15 @@ def default_outer() -> fo.GradientTransformation:
     return fo.sgd(lr=0.7, momentum=0.9, nesterov=True)
 
 
+def _requiring_grad(params: Params) -> list[torch.Tensor]:
+    """The parameters that require grad, from ``parameters()`` or param groups, in order."""
+    selected: list[torch.Tensor] = []
+    for entry in params:
+        group = entry["params"] if isinstance(entry, dict) else [entry]
+        selected.extend(p for p in group if p.requires_grad)
+    return selected
+
+
 def _param_bytes(params: list[torch.Tensor]) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
@@ -64,8 +74,10 @@ class DiLoCoAverager(ModelAverager):
 
     Call :meth:`average_parameters` after every inner ``optimizer.step()`` (or wrap the inner
     optimizer in ``PostLocalSGDOptimizer``). At the first call after the warm-up the parameters
-    are averaged (plain mean) and copied as the synced state ``s``; then each fragment, at its
-    offset in every period, sends its pseudo-gradient ``s - x``, and its outer step
+    are averaged (plain mean) and copied as the synced state ``s``; or, with ``params``, ``s`` is
+    the starting model, copied at construction (the paper's form: no initial average when every
+    rank starts from the same weights, and the first sync one period later). Then each
+    fragment, at its offset in every period, sends its pseudo-gradient ``s - x`` and its outer step
     ``s <- outer(s, mean(s - x))`` is written into the parameters (at once, or ``overlap_delay``
     steps later with ``x <- alpha * x + (1 - alpha) * s``). With ``outer=fo.sgd(lr=1.0)``, one
     fragment and no compression this is :class:`PeriodicModelAverager` up to float rounding.
@@ -84,6 +96,11 @@ class DiLoCoAverager(ModelAverager):
         overlap_delay: inner steps between sending a fragment and applying it (with ``overlap``).
         overlap_alpha: weight of the local parameters in the blend (with ``overlap``; 0 makes
             the outer result overwrite them).
+        params: the starting parameters (a model's ``parameters()`` or param groups; those
+            that require grad), to copy as ``s`` now; needs ``warmup_steps=0``. Every rank
+            must build its averager at the same time (a checksum all-reduce checks that the
+            replicas are identical, and averages them when they are not). Later calls must
+            pass these parameters, all with a gradient.
 
     Attributes:
         step: calls so far (as torch's averagers).
@@ -110,10 +127,16 @@ class DiLoCoAverager(ModelAverager):
         compression: str | None = None,
         overlap_delay: int = 1,
         overlap_alpha: float = 0.5,
+        params: Params | None = None,
     ) -> None:
         check_outer_args(
             period, warmup_steps, fragments, compression, overlap, overlap_delay, overlap_alpha
         )
+        if params is not None and warmup_steps != 0:
+            raise ValueError(
+                f"Arg ``params`` needs ``warmup_steps=0`` (got {warmup_steps}): the start copy "
+                "is taken at construction; with a warm-up, the first sync after it averages."
+            )
         if outer is not None and not isinstance(outer, fo.GradientTransformation):
             raise TypeError(
                 f"Arg ``outer`` must be a functional_optim GradientTransformation (e.g. "
@@ -134,6 +157,8 @@ class DiLoCoAverager(ModelAverager):
         self._saved_sync: list[dict[str, Any]] | None = None
         self._setup_bytes = 0
         self._cache = FlatParameterCache(max_entries=1)
+        if params is not None:
+            self._start_from(_requiring_grad(params))
 
     @classmethod
     def slowmo(
@@ -173,6 +198,19 @@ class DiLoCoAverager(ModelAverager):
     def fragment_plan(self) -> list[list[int]]:
         """Parameter indices of each fragment (empty before the first sync)."""
         return [] if self._sync is None else [f.indices for f in self._sync.fragments]
+
+    def _start_from(self, params: list[torch.Tensor]) -> None:
+        if not params:
+            raise ValueError(EMPTY_PARAMS_MESSAGE)
+        check_fragment_count(self.fragments, len(params))
+        plan = plan_fragments([p.numel() for p in params], self.fragments)
+        with torch.no_grad():
+            identical, sent = replicas_identical(params, self.process_group)
+            self._setup_bytes += sent
+            if not identical:
+                average_flat(params, self.process_group, self._cache)
+                self._setup_bytes += _param_bytes(params)
+        self._sync = OuterSync(params, plan, self.outer, self._reducer)
 
     def _build(self, params: list[torch.Tensor]) -> bool:
         """Build the sync state; return True when this call was the initial average."""
