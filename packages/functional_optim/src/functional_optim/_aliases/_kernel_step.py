@@ -254,17 +254,32 @@ def kernel_step(spec: KernelSpec, values: Mapping[str, Any]) -> Callable[..., Op
         return _lazy_step(kernel, state_type, check, template, dynamic, lazy)
 
     def step(params: PyTree, grads: PyTree, full: OptState) -> OptState:
-        view = FlatView(params, grads)
-        if check is not None:
-            check(view.active_params, view.active_grads)
-        st: Any = component(full, state_type)
-        args = template.copy()
-        for i, get in dynamic:
-            args[i] = get(view, st, full)
+        _, _, args = _arguments(params, grads, full, state_type, check, template, dynamic)
         kernel(*args)
         return full
 
     return step
+
+
+def _arguments(
+    params: PyTree,
+    grads: PyTree,
+    full: OptState,
+    state_type: type,
+    check: InputCheck | None,
+    template: list[Any],
+    dynamic: list[tuple[int, Getter]],
+) -> tuple[FlatView, Any, list[Any]]:
+    """The flat view, the algorithm's state and the kernel's arguments for one step (after the
+    input check)."""
+    view = FlatView(params, grads)
+    if check is not None:
+        check(view.active_params, view.active_grads)
+    st: Any = component(full, state_type)
+    args = template.copy()
+    for i, get in dynamic:
+        args[i] = get(view, st, full)
+    return view, st, args
 
 
 def _field_index(state_type: type, field_name: str) -> int:
@@ -289,13 +304,7 @@ def _lazy_step(
     ]
 
     def step(params: PyTree, grads: PyTree, full: OptState) -> OptState:
-        view = FlatView(params, grads)
-        if check is not None:
-            check(view.active_params, view.active_grads)
-        st: Any = component(full, state_type)
-        args = template.copy()
-        for i, get in dynamic:
-            args[i] = get(view, st, full)
+        view, st, args = _arguments(params, grads, full, state_type, check, template, dynamic)
         written = []
         for i, of, index, zeros in buffers:
             owner: Any = st if of is None else component(full, of)
