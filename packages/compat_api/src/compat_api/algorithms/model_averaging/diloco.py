@@ -202,18 +202,15 @@ class DiLoCoAverager(ModelAverager):
     def _start_from(self, params: list[torch.Tensor]) -> None:
         if not params:
             raise ValueError(EMPTY_PARAMS_MESSAGE)
-        check_fragment_count(self.fragments, len(params))
-        plan = plan_fragments([p.numel() for p in params], self.fragments)
         with torch.no_grad():
-            identical, sent = replicas_identical(params, self.process_group)
-            self._setup_bytes += sent
-            if not identical:
-                average_flat(params, self.process_group, self._cache)
-                self._setup_bytes += _param_bytes(params)
-        self._sync = OuterSync(params, plan, self.outer, self._reducer)
+            self._build(params, check_replicas=True)
 
-    def _build(self, params: list[torch.Tensor]) -> bool:
-        """Build the sync state; return True when this call was the initial average."""
+    def _build(self, params: list[torch.Tensor], check_replicas: bool = False) -> bool:
+        """Build the sync state; return True when this call aligned the replicas.
+
+        The replicas are averaged, unless ``check_replicas`` and a checksum shows they are
+        identical already (the start copy of ``params=``).
+        """
         check_fragment_count(self.fragments, len(params))
         plan = plan_fragments([p.numel() for p in params], self.fragments)
         if self._saved_sync is not None:
@@ -221,8 +218,13 @@ class DiLoCoAverager(ModelAverager):
             sync.load_state_dict(self._saved_sync)
             self._sync, self._saved_sync = sync, None
             return False
-        average_flat(params, self.process_group, self._cache)
-        self._setup_bytes += _param_bytes(params)
+        identical = False
+        if check_replicas:
+            identical, sent = replicas_identical(params, self.process_group)
+            self._setup_bytes += sent
+        if not identical:
+            average_flat(params, self.process_group, self._cache)
+            self._setup_bytes += _param_bytes(params)
         self._sync = OuterSync(params, plan, self.outer, self._reducer)
         return True
 
