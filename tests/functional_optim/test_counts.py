@@ -13,7 +13,13 @@ import torch
 from torch import Tensor
 
 import functional_optim as fo
-from functional_optim._counts import increment_counts, repacked_like, zero_counts
+from functional_optim._counts import (
+    increment_counts,
+    incremented,
+    repacked_like,
+    uniform_count,
+    zero_counts,
+)
 from functional_optim._tree import tree_leaves
 
 from ._parity import assert_tensors_equal, clone_tensors, make_grads, make_params
@@ -213,3 +219,18 @@ def test_repacked_like_keeps_positions_and_casts() -> None:
     assert [float(c) for c in template if c is not None] == [0.0, 0.0]
     loose = [torch.tensor(1.0), torch.tensor(2.0)]
     assert repacked_like(unpacked(zero_counts([torch.ones(1)] * 2)), loose) == loose
+
+
+def test_incremented_is_a_new_block_and_uniform_count_compares_values() -> None:
+    """The pure increment (pure_step's) packs its result too; uniform_count sees a drift."""
+    counts = zero_counts([torch.zeros(2), torch.zeros(3), torch.zeros(1)])
+    new = incremented(counts)
+    assert [float(c) for c in new] == [1.0, 1.0, 1.0]
+    assert [float(c) for c in counts] == [0.0, 0.0, 0.0]
+    assert new[0]._base is not None
+    assert new[0]._base is new[2]._base
+    assert uniform_count(new) == 1.0
+    new[1].add_(1)
+    assert uniform_count(new) is None
+    assert uniform_count([torch.tensor(2.0), torch.tensor(2.0)]) == 2.0
+    assert uniform_count([]) is None

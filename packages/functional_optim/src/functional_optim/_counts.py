@@ -32,8 +32,10 @@ from functional_optim._tree import PyTree, tree_flatten
 __all__ = [
     "detached_count",
     "increment_counts",
+    "incremented",
     "repacked_like",
     "scalar_dtype",
+    "uniform_count",
     "zero_counts",
 ]
 
@@ -114,11 +116,49 @@ def increment_counts(counts: list[Tensor]) -> None:
     """
     if not counts:
         return
-    block = _BLOCKS.get(id(counts[0]))
-    if block is not None and block.holds_exactly(counts):
+    block = _block_of(counts)
+    if block is not None:
         block.base.add_(1)
     else:
         torch._foreach_add_(counts, 1)
+
+
+def _block_of(counts: Sequence[Tensor]) -> _Block | None:
+    """The block whose views ``counts`` are, exactly and in order; else None."""
+    block = _BLOCKS.get(id(counts[0])) if counts else None
+    return block if block is not None and block.holds_exactly(counts) else None
+
+
+def incremented(counts: list[Tensor]) -> list[Tensor]:
+    """New counters ``c + 1`` (the inputs untouched): one new block when ``counts`` are one
+    block's views, in order; else one ``_foreach_add``.
+
+    Args:
+        counts: 0-d counters.
+    """
+    if not counts:
+        return []
+    block = _block_of(counts)
+    if block is not None:
+        return _packed(block.base + 1)
+    return list(torch._foreach_add(counts, 1))
+
+
+def uniform_count(counts: list[Tensor]) -> float | None:
+    """The value every counter holds, or None when they differ (or there are none).
+
+    One comparison over the block when ``counts`` are one block's views; a host sync.
+    """
+    if not counts:
+        return None
+    block = _block_of(counts)
+    device = counts[0].device
+    values = (
+        block.base if block is not None else torch.stack([c.reshape(()).to(device) for c in counts])
+    )
+    low, high = torch.aminmax(values)
+    first = float(low)
+    return first if first == float(high) else None
 
 
 def detached_count(value: Any) -> Any:
