@@ -285,7 +285,11 @@ def run_pure(
 
 
 def pure_apply_all(
-    transforms: Sequence[Any], updates: list[Tensor], state: Any, view: LeafView
+    transforms: Sequence[Any],
+    updates: list[Tensor],
+    state: Any,
+    view: LeafView,
+    owned: bool = False,
 ) -> tuple[list[Tensor], tuple[Any, ...]]:
     """A chain's list maths without writing into ``updates`` or ``state`` (``apply_pure``).
 
@@ -294,21 +298,24 @@ def pure_apply_all(
 
     Args:
         transforms: the components (each with ``lists``).
-        updates: the update tensors at ``view``'s positions (not written to).
+        updates: the update tensors at ``view``'s positions (not written to, unless
+            ``owned``).
         state: one state per component (not written to).
         view: the leaf view.
+        owned: ``updates`` are the caller's scratch: every component runs its in-place
+            ``apply`` on them (on a copy of its state), allocating nothing for the updates.
 
     Returns:
         ``(new updates, new state per component)``.
     """
-    callers = {id(g) for g in updates}
+    callers = set() if owned else {id(g) for g in updates}
     current: list[Tensor] = updates
     new_state = list(state)
     for i, tx in enumerate(transforms):
         lists: ListTransform = tx.lists
         if lists.key == "identity":
             continue
-        if lists.apply_pure is not None:
+        if lists.apply_pure is not None and not owned:
             current, new_state[i] = lists.apply_pure(current, new_state[i], view)
             continue
         if lists.writes_updates and current:

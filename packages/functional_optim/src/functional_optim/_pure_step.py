@@ -21,17 +21,23 @@ under ``torch.func``, takes ``tx.update`` + ``apply_updates``, the differentiabl
 Numbers: the same kernels and op order as the chain's in-place ``tx.step`` (bitwise equal to
 it, and to ``torch.optim.Adam(fused=True)``); against ``tx.update`` + ``apply_updates`` they
 differ by the fused kernel's roundings, the tolerance documented for the aliases' fused steps.
+
+On CPU torch's fused kernel is compute-bound, so the copies cost their full time on top of it
+(about 2.2x torch's in-place step). ``pure_step(tx, compiled=True)`` runs the same chains as
+one out-of-place kernel compiled by ``torch.compile`` over recycled flat buffers instead
+(:mod:`functional_optim._pure_flat`), within an ulp or two of ``tx.step``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState, apply_updates
+from functional_optim._counts import incremented
 from functional_optim._fusion import _decay_split, _learning_rate, _lists, plan_tail
 from functional_optim._lists import (
     LeafView,
@@ -41,6 +47,7 @@ from functional_optim._lists import (
     recording,
     with_active_leaves,
 )
+from functional_optim._pure_flat import FlatAdam
 from functional_optim._transforms.hyperparams import InjectHyperparamsState, injected_inner
 from functional_optim._tree import PyTree
 from functional_optim.kernels._dispatch import resolve_impl
@@ -60,13 +67,21 @@ class PureStepFn(Protocol):
     ) -> tuple[PyTree, OptState]: ...
 
 
-def pure_step(tx: GradientTransformation, *, chunk_bytes: int = CHUNK_BYTES) -> PureStepFn:
+def pure_step(
+    tx: GradientTransformation, *, chunk_bytes: int = CHUNK_BYTES, compiled: bool = False
+) -> PureStepFn:
     """Fuse ``tx.update`` and ``apply_updates`` into one pure step (see the module docstring).
 
     Args:
         tx: the transform.
         chunk_bytes: about how many bytes of each buffer one chunk of leaves holds (a leaf
             larger than that is a chunk of its own).
+        compiled: run Adam-tailed chains as one out-of-place kernel compiled by
+            ``torch.compile`` (compiled on the first call; see
+            :mod:`functional_optim._pure_flat`): about as fast as torch's in-place fused step,
+            equal to ``tx.step`` to a few float32 ulps instead of bitwise. The step then keeps
+            up to two spare generations of params and moments for reuse, as a caching
+            allocator would; they are freed with the step function.
 
     Returns:
         ``step(params, grads, state) -> (new params, new state)``. Params whose gradient is
@@ -89,12 +104,17 @@ def pure_step(tx: GradientTransformation, *, chunk_bytes: int = CHUNK_BYTES) -> 
         )
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    return _make_step(tx, chunk_bytes, FlatAdam(compiled=True) if compiled else None)
+
+
+def _make_step(tx: GradientTransformation, chunk_bytes: int, flat: FlatAdam | None) -> PureStepFn:
+    """:func:`pure_step` with the flat Adam path given (tests pass an eager one)."""
 
     def step(params: PyTree, grads: PyTree, state: OptState) -> tuple[PyTree, OptState]:
         if _fusable(tx, state) and not recording(params, grads, state):
             view = LeafView(params, grads)
             with torch.no_grad():
-                new_active, new_state = _fused(tx, view, view.grads, state, chunk_bytes)
+                new_active, new_state = _fused(tx, view, view.grads, state, chunk_bytes, flat)
             leaves = list(view.all_params)
             for i, p in zip(view.idx, new_active, strict=True):
                 leaves[i] = p
@@ -129,36 +149,67 @@ def _fusable(tx: GradientTransformation, state: OptState) -> bool:
     return plan.rule == "adam"
 
 
+Prefix = Callable[[list[Tensor], bool], list[Tensor]]
+
+
+def _no_prefix(updates: list[Tensor], owned: bool) -> list[Tensor]:
+    return updates
+
+
 def _fused(
-    tx: GradientTransformation, view: LeafView, updates: list[Tensor], state: OptState, chunk: int
+    tx: GradientTransformation,
+    view: LeafView,
+    updates: list[Tensor],
+    state: OptState,
+    chunk: int,
+    flat: FlatAdam | None,
+    prefix: Prefix = _no_prefix,
 ) -> tuple[list[Tensor], OptState]:
-    """New active params and the new state of a transform :func:`_fusable` accepted."""
+    """New active params and the new state of a transform :func:`_fusable` accepted.
+
+    ``prefix(updates, owned)`` runs the components of enclosing chains that come before
+    ``tx`` (``owned``: on the step's private copy of the gradients, in place).
+    """
     if injected_inner(tx, state) is not None:
         inner_tx, inner_state = _inner(tx, state)
-        new_params, new_inner = _fused(inner_tx, view, updates, inner_state, chunk)
+        new_params, new_inner = _fused(inner_tx, view, updates, inner_state, chunk, flat, prefix)
         return new_params, InjectHyperparamsState(state.hyperparams, new_inner)
     assert tx.lists is not None
     components: Sequence[GradientTransformation] = tx.lists.hyper["transforms"]
     plan = plan_tail(components)
     new_state = list(state)
     head = [components[i] for i in plan.head]
-    current, head_states = pure_apply_all(head, updates, [state[i] for i in plan.head], view)
-    for i, s in zip(plan.head, head_states, strict=True):
-        new_state[i] = s
+    head_state = [state[i] for i in plan.head]
+
+    def run_head(current: list[Tensor], owned: bool) -> list[Tensor]:
+        current, states = pure_apply_all(head, prefix(current, owned), head_state, view, owned)
+        for i, s in zip(plan.head, states, strict=True):
+            new_state[i] = s
+        return current
+
     if plan.rule == "step":
         i = plan.tail[0]
-        new_params, new_state[i] = _fused(components[i], view, current, state[i], chunk)
+        new_params, new_state[i] = _fused(
+            components[i], view, updates, state[i], chunk, flat, run_head
+        )
         return new_params, tuple(new_state)
     tail = [_lists(components[i]) for i in plan.tail]
     last = plan.tail[-1]
     new_state[last] = _copy_state(state[last])  # a schedule counts this step in the copy
     lr = _learning_rate(tail[-1], new_state[last])
     wd, decayed, rest = _decay_split(tail, view)
-    groups = [(list(range(len(current))), wd)] if decayed is None else [(decayed, wd), (rest, 0.0)]
+    groups = [(list(range(len(updates))), wd)] if decayed is None else [(decayed, wd), (rest, 0.0)]
     adam = plan.tail[0]
-    new_params, new_state[adam] = _adam_chunks(
-        view, current, tail[0].hyper, state[adam], lr, groups, chunk
-    )
+    hyper = tail[0].hyper
+    result = None
+    if flat is not None:
+        trivial = not head and prefix is _no_prefix
+        head_fn = None if trivial else lambda owned: run_head(owned, True)
+        result = flat.step(view, updates, head_fn, hyper, state[adam], lr, groups)
+    if result is None:
+        current = run_head(updates, False)
+        result = _adam_chunks(view, current, hyper, state[adam], lr, groups, chunk)
+    new_params, new_state[adam] = result
     return new_params, tuple(new_state)
 
 
@@ -182,8 +233,12 @@ def _chunks(tensors: Sequence[Tensor], positions: Sequence[int], chunk: int) -> 
 
 
 def _fresh(tensors: list[Tensor]) -> list[Tensor]:
-    """New tensors with the values of ``tensors`` (one ``_foreach_copy_``)."""
-    out = [torch.empty_like(t) for t in tensors]
+    """New contiguous tensors with the values of ``tensors`` (one ``_foreach_copy_``).
+
+    Contiguous, not ``empty_like``'s strides: the fused kernel walks params and moments in
+    memory order, so a param passed transposed must not keep its strides while its moments
+    keep theirs."""
+    out = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     torch._foreach_copy_(out, tensors)
     return out
 
@@ -207,7 +262,7 @@ def _adam_chunks(
     if amsgrad:
         sources.append(view.gather(state.nu_max))
     old_counts = view.gather(state.count)
-    counts = list(torch._foreach_add(old_counts, 1)) if old_counts else []
+    counts = incremented(old_counts)
     impl = resolve_impl("auto", params, True) if params else "fused"
     new = [list(src) for src in sources]
     for positions, wd in groups:

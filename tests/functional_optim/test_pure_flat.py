@@ -1,0 +1,262 @@
+"""``pure_step(tx, compiled=True)``: the out-of-place Adam kernel over recycled flat buffers.
+
+The layout, recycling and fallbacks are checked with the kernel run eagerly (``FlatAdam(
+compiled=False)``: the same Python function, no compile); one smoke test compiles it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+import functional_optim as fo
+from functional_optim._pure_flat import MAX_GENERATIONS, FlatAdam, _Layout, _Pool
+from functional_optim._pure_step import CHUNK_BYTES, PureStepFn, _make_step
+
+from ._parity import assert_tensors_equal, clone_tensors, make_grads, make_params
+from .test_pure_step import FUSED, _others, _tensors
+
+#: The kernel's op order differs from torch's fused one: an ulp or two.
+TOL = {torch.float32: (2e-6, 1e-7), torch.float64: (1e-12, 1e-14)}
+LR = 0.05
+
+
+def _flat_step(tx: fo.GradientTransformation) -> tuple[PureStepFn, FlatAdam]:
+    flat = FlatAdam(compiled=False)
+    return _make_step(tx, CHUNK_BYTES, flat), flat
+
+
+def _generations(flat: FlatAdam) -> int:
+    return 0 if flat._pool is None else len(flat._pool.generations)
+
+
+def _snapshot(*trees: Any) -> list[Tensor]:
+    return [t.clone() for tree in trees for t in _tensors(tree)]
+
+
+@pytest.mark.parametrize("none_every", [0, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", sorted(FUSED))
+def test_flat_step_matches_in_place_step(name: str, dtype: torch.dtype, none_every: int) -> None:
+    """Every Adam-tailed transform pure_step fuses: the flat path equals ``tx.step`` to the
+    kernel's rounding, leaves every input alone and returns a state sharing nothing with it."""
+    tx = FUSED[name]()
+    step, flat = _flat_step(tx)
+    params = make_params(dtype=dtype)
+    state = tx.init(params)
+    ref_params = clone_tensors(params)
+    ref_state = tx.init(ref_params)
+    rtol, atol = TOL[dtype]
+    for row in make_grads(params, 4, none_every=none_every):
+        before = _snapshot(params, row, state)
+        new_params, new_state = step(params, row, state)
+        assert_tensors_equal(_snapshot(params, row, state), before, what="an input was mutated")
+        assert not {id(x) for x in _tensors(state)} & {id(x) for x in _tensors(new_state)}
+        ref_state = tx.step(ref_params, clone_tensors(row), ref_state)
+        assert_tensors_equal(list(new_params), ref_params, rtol, atol, what="params")
+        assert_tensors_equal(_tensors(new_state), _tensors(ref_state), rtol, atol, what="state")
+        assert _others(new_state) == _others(ref_state)
+        params, state = new_params, new_state
+    if none_every == 0:  # the flat path ran (with None gradients the counters drift apart)
+        assert _generations(flat) >= 1
+
+
+def _loop(
+    step: PureStepFn, tx: fo.GradientTransformation, params: list[Tensor], steps: int, seed: int
+) -> tuple[list[Tensor], Any]:
+    state = tx.init(params)
+    for row in make_grads(params, steps, seed=seed):
+        params, state = step(params, row, state)
+    return params, state
+
+
+def _inside(leaf: Tensor, flats: list[Tensor]) -> bool:
+    start = leaf.data_ptr()
+    return any(f.data_ptr() <= start < f.data_ptr() + f.numel() * f.element_size() for f in flats)
+
+
+def test_two_generations_alternate_and_outputs_live_in_them() -> None:
+    tx = fo.adamw(lr=LR, weight_decay=0.1)
+    step, flat = _flat_step(tx)
+    params, state = _loop(step, tx, make_params(((7,), (4, 5), (2, 3, 4), (4, 5))), 6, seed=3)
+    assert _generations(flat) == 2
+    assert flat._pool is not None
+    flats = [f for gen in flat._pool.generations for kind in gen for f in kind]
+    moments = [t for t in _tensors(state) if t.dim() > 0]
+    assert len(moments) == 2 * len(params)
+    for leaf in [*params, *moments]:
+        assert _inside(leaf, flats), "a returned leaf is not a view of a kept generation"
+
+
+def test_a_state_the_caller_keeps_is_never_overwritten() -> None:
+    """Old params and state, and a view of an old leaf, keep their values while the step goes
+    on; the pool grows to its cap and no further."""
+    tx = fo.adam(lr=LR)
+    step, flat = _flat_step(tx)
+    params = make_params(dtype=torch.float64)
+    state = tx.init(params)
+    kept: list[tuple[list[Tensor], list[Tensor]]] = []
+    view_of_old: Tensor | None = None
+    for k, row in enumerate(make_grads(params, 8, seed=5)):
+        params, state = step(params, row, state)
+        if k in (1, 3, 4):
+            kept.append((list(params) + _tensors(state), _snapshot(params, state)))
+        if k == 2:
+            view_of_old = params[3][1:]
+            view_values = view_of_old.clone()
+    for live, values in kept:
+        assert_tensors_equal(live, values, what="a kept state changed")
+    assert view_of_old is not None
+    assert torch.equal(view_of_old, view_values)
+    assert _generations(flat) == MAX_GENERATIONS
+
+
+def test_same_inputs_twice_give_the_same_independent_outputs() -> None:
+    tx = fo.adam(lr=LR)
+    step, _ = _flat_step(tx)
+    params, state = _loop(step, tx, make_params(), 2, seed=7)
+    grads = make_grads(params, 1, seed=8)[0]
+    first_params, first_state = step(params, grads, state)
+    first_values = _snapshot(first_params, first_state)
+    second_params, second_state = step(params, grads, state)
+    assert_tensors_equal(_snapshot(second_params, second_state), first_values, what="branch")
+    assert_tensors_equal(_snapshot(first_params, first_state), first_values, what="overwritten")
+
+
+def test_inputs_from_elsewhere_are_gathered_first() -> None:
+    """Copies of the state (not the step's own views) give the same result as the views."""
+    tx = fo.adam(lr=LR, amsgrad=True)
+    step, _ = _flat_step(tx)
+    params, state = _loop(step, tx, make_params(), 3, seed=9)
+    grads = make_grads(params, 1, seed=10)[0]
+    own = step(params, grads, state)
+    copied_state = fo.tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, state)
+    copied = step([p.clone() for p in params], grads, copied_state)
+    assert_tensors_equal(_snapshot(*copied), _snapshot(*own), what="gathered vs own")
+
+
+@pytest.mark.parametrize("flat", [True, False], ids=["flat", "eager"])
+def test_a_transposed_view_of_a_returned_leaf_is_read_by_value(flat: bool) -> None:
+    """A transposed view of a returned square leaf starts where the leaf did, with its
+    elements laid out differently: both paths give ``update`` + ``apply_updates``'s values
+    (the eager path used to keep the transposed strides for the param copy only)."""
+    tx = fo.adam(lr=LR)
+    step, _ = _flat_step(tx)
+    params, state = _loop(step, tx, make_params(((3, 3), (4,))), 2, seed=14)
+    grads = make_grads(params, 1, seed=15)[0]
+    moved = [params[0].t(), params[1]]
+    assert moved[0].data_ptr() == params[0].data_ptr()
+    ours, _ = (step if flat else fo.pure_step(tx))(moved, grads, state)
+    updates, _ = tx.update(grads, state, moved)
+    expected = fo.apply_updates(moved, updates)
+    assert_tensors_equal(list(ours), list(expected), *TOL[torch.float32], what="params")
+
+
+def test_gradient_buffers_a_view_escaped_from_are_replaced() -> None:
+    """If a transform kept a view of the private gradient copy, the step copies it away
+    before writing over it."""
+    params = make_params()
+    layout = _Layout(params, [(list(range(len(params))), 0.0)])
+    pool = _Pool(layout, 3)
+    grads = make_grads(params, 1)[0]
+    first = pool.gradient_buffers()
+    layout.gather(grads, first)
+    escaped = layout.views(first)[2]
+    value = escaped.clone()
+    assert pool.reclaim_gradients()[0] is not first[0]
+    assert pool.gradient_buffers()[0] is not first[0]
+    assert torch.equal(escaped, value)
+    del escaped
+    free = pool.gradient_buffers()
+    assert pool.reclaim_gradients() is free
+
+
+def _counts_drifted(params: list[Tensor]) -> tuple[fo.GradientTransformation, Any]:
+    tx = fo.adam(lr=LR)
+    state = tx.init(params)
+    grads: list[Tensor | None] = list(make_grads(params, 1, seed=11)[0])
+    grads[2] = None
+    _, state = fo.pure_step(tx)(params, grads, state)
+    return tx, state
+
+
+def test_unequal_step_counts_take_the_eager_path_bitwise() -> None:
+    params = make_params()
+    tx, state = _counts_drifted(params)
+    step, flat = _flat_step(tx)
+    grads = make_grads(params, 1, seed=12)[0]
+    ours = step(params, grads, state)
+    eager = fo.pure_step(tx)(params, grads, state)
+    assert _generations(flat) == 0
+    assert_tensors_equal(_snapshot(*ours), _snapshot(*eager), what="fallback")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda p, g: (p.to(torch.bfloat16), g.to(torch.bfloat16)),
+        lambda p, g: (p, g.double()),
+    ],
+    ids=["bfloat16 params", "float64 grads for float32 params"],
+)
+def test_calls_the_kernel_does_not_take_run_eagerly(
+    change: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
+) -> None:
+    """Other dtypes, and gradients that do not match their params, go the eager way: same
+    result or same error."""
+    tx = fo.adam(lr=LR)
+    pairs = [change(p, g) for p, g in zip(make_params(), make_grads(make_params(), 1)[0])]
+    params = [p for p, _ in pairs]
+    grads = [g for _, g in pairs]
+    state = tx.init(params)
+    step, flat = _flat_step(tx)
+    try:
+        expected: Any = fo.pure_step(tx)(params, grads, state)
+    except (RuntimeError, TypeError, ValueError) as error:
+        with pytest.raises(type(error)):
+            step(params, grads, state)
+    else:
+        assert_tensors_equal(_snapshot(*step(params, grads, state)), _snapshot(*expected))
+    assert _generations(flat) == 0
+
+
+def test_autograd_and_torch_func_calls_take_the_per_leaf_path() -> None:
+    params = make_params(((3,), (2, 2)), dtype=torch.float64)
+    grads = make_grads(params, 1)[0]
+    flat_step, flat = _flat_step(fo.adam(lr=LR))
+
+    def after(lr: Tensor, use_flat: bool) -> Tensor:
+        tx = fo.adam(lr=lr)
+        step = _make_step(tx, CHUNK_BYTES, flat) if use_flat else fo.pure_step(tx)
+        new, _ = step(params, grads, tx.init(params))
+        return sum((p * p).sum() for p in new)  # type: ignore[return-value]
+
+    lr = torch.tensor(LR, dtype=torch.float64)
+    ours = torch.func.grad(after)(lr, True)
+    assert ours.abs() > 0
+    assert_tensors_equal([ours], [torch.func.grad(after)(lr, False)], what="meta-gradient")
+    assert _generations(flat) == 0
+    del flat_step
+
+
+@pytest.mark.compile
+def test_torch_compile_smoke_pure_step() -> None:
+    """One torch.compile run (a few seconds on CPU): the compiled kernel matches ``tx.step``."""
+    tx = fo.chain(fo.clip_by_global_norm(0.5), fo.adamw(lr=LR, weight_decay=0.1))
+    step = fo.pure_step(tx, compiled=True)
+    params = make_params(((5, 4), (7,), (5, 4)))
+    state = tx.init(params)
+    ref_params = clone_tensors(params)
+    ref_state = tx.init(ref_params)
+    for row in make_grads(params, 3, seed=13):
+        before = _snapshot(params, row, state)
+        new_params, new_state = step(params, row, state)
+        assert_tensors_equal(_snapshot(params, row, state), before, what="an input was mutated")
+        ref_state = tx.step(ref_params, clone_tensors(row), ref_state)
+        assert_tensors_equal(list(new_params), ref_params, *TOL[torch.float32], what="params")
+        assert_tensors_equal(_tensors(new_state), _tensors(ref_state), *TOL[torch.float32])
+        params, state = new_params, new_state
