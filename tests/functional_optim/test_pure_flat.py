@@ -1,7 +1,8 @@
-"""``pure_step(tx, compiled=True)``: the out-of-place Adam kernel over recycled flat buffers.
+"""``pure_step``'s flat buffers: Adam into recycled generations, out of place or by copying.
 
-The layout, recycling and fallbacks are checked with the kernel run eagerly (``FlatAdam(
-compiled=False)``: the same Python function, no compile); one smoke test compiles it.
+Both ways are checked: ``"fused"`` (pure_step's default: copy, then torch's kernel in place on
+the copy) and the out-of-place kernel of ``compiled=True``, run as Python (``"python"``: the
+same function, no compile) for speed; one smoke test compiles it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 from torch import Tensor
 
 import functional_optim as fo
-from functional_optim._pure_flat import MAX_GENERATIONS, FlatAdam, _Layout, _Pool
+from functional_optim._flat_buffers import MAX_GENERATIONS, Layout, Pool
+from functional_optim._pure_flat import FlatAdam
 from functional_optim._pure_step import CHUNK_BYTES, PureStepFn, _make_step
 
 from ._parity import assert_tensors_equal, clone_tensors, make_grads, make_params
@@ -25,13 +27,17 @@ TOL = {torch.float32: (2e-6, 1e-7), torch.float64: (1e-12, 1e-14)}
 LR = 0.05
 
 
-def _flat_step(tx: fo.GradientTransformation) -> tuple[PureStepFn, FlatAdam]:
-    flat = FlatAdam(compiled=False)
-    return _make_step(tx, CHUNK_BYTES, flat), flat
+def _flat_step(tx: fo.GradientTransformation, mode: str = "python") -> tuple[PureStepFn, FlatAdam]:
+    flat = FlatAdam(mode, CHUNK_BYTES)
+    return _make_step(tx, flat), flat
+
+
+def _pools(flat: FlatAdam) -> list[Pool]:
+    return list(flat._pools.values())
 
 
 def _generations(flat: FlatAdam) -> int:
-    return 0 if flat._pool is None else len(flat._pool.generations)
+    return sum(len(pool.generations) for pool in _pools(flat))
 
 
 def _snapshot(*trees: Any) -> list[Tensor]:
@@ -79,24 +85,43 @@ def _inside(leaf: Tensor, flats: list[Tensor]) -> bool:
     return any(f.data_ptr() <= start < f.data_ptr() + f.numel() * f.element_size() for f in flats)
 
 
-def test_two_generations_alternate_and_outputs_live_in_them() -> None:
+MODES = pytest.mark.parametrize("mode", ["python", "fused"])
+
+
+@MODES
+def test_two_generations_alternate_and_outputs_live_in_them(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a loop the step reads its own last outputs in place (no gather after the first
+    step, empty and 0-d leaves included) and writes into the generation before."""
+    found: list[bool] = []
+    find = Pool.find
+
+    def recording_find(pool: Pool, leaves: Any) -> Any:
+        gen = find(pool, leaves)
+        found.append(gen is not None)
+        return gen
+
+    monkeypatch.setattr(Pool, "find", recording_find)
     tx = fo.adamw(lr=LR, weight_decay=0.1)
-    step, flat = _flat_step(tx)
+    step, flat = _flat_step(tx, mode)
+    params, state = _loop(step, tx, make_params(), 6, seed=3)
+    assert found == [False] + [True] * 5
     params, state = _loop(step, tx, make_params(((7,), (4, 5), (2, 3, 4), (4, 5))), 6, seed=3)
-    assert _generations(flat) == 2
-    assert flat._pool is not None
-    flats = [f for gen in flat._pool.generations for kind in gen for f in kind]
+    assert _generations(flat) == 4  # two per layout
+    flats = [f for pool in _pools(flat) for gen in pool.generations for kind in gen for f in kind]
     moments = [t for t in _tensors(state) if t.dim() > 0]
     assert len(moments) == 2 * len(params)
     for leaf in [*params, *moments]:
         assert _inside(leaf, flats), "a returned leaf is not a view of a kept generation"
 
 
-def test_a_state_the_caller_keeps_is_never_overwritten() -> None:
+@MODES
+def test_a_state_the_caller_keeps_is_never_overwritten(mode: str) -> None:
     """Old params and state, and a view of an old leaf, keep their values while the step goes
     on; the pool grows to its cap and no further."""
     tx = fo.adam(lr=LR)
-    step, flat = _flat_step(tx)
+    step, flat = _flat_step(tx, mode)
     params = make_params(dtype=torch.float64)
     state = tx.init(params)
     kept: list[tuple[list[Tensor], list[Tensor]]] = []
@@ -115,9 +140,10 @@ def test_a_state_the_caller_keeps_is_never_overwritten() -> None:
     assert _generations(flat) == MAX_GENERATIONS
 
 
-def test_same_inputs_twice_give_the_same_independent_outputs() -> None:
+@MODES
+def test_same_inputs_twice_give_the_same_independent_outputs(mode: str) -> None:
     tx = fo.adam(lr=LR)
-    step, _ = _flat_step(tx)
+    step, _ = _flat_step(tx, mode)
     params, state = _loop(step, tx, make_params(), 2, seed=7)
     grads = make_grads(params, 1, seed=8)[0]
     first_params, first_state = step(params, grads, state)
@@ -127,10 +153,11 @@ def test_same_inputs_twice_give_the_same_independent_outputs() -> None:
     assert_tensors_equal(_snapshot(first_params, first_state), first_values, what="overwritten")
 
 
-def test_inputs_from_elsewhere_are_gathered_first() -> None:
+@MODES
+def test_inputs_from_elsewhere_are_gathered_first(mode: str) -> None:
     """Copies of the state (not the step's own views) give the same result as the views."""
     tx = fo.adam(lr=LR, amsgrad=True)
-    step, _ = _flat_step(tx)
+    step, _ = _flat_step(tx, mode)
     params, state = _loop(step, tx, make_params(), 3, seed=9)
     grads = make_grads(params, 1, seed=10)[0]
     own = step(params, grads, state)
@@ -139,18 +166,19 @@ def test_inputs_from_elsewhere_are_gathered_first() -> None:
     assert_tensors_equal(_snapshot(*copied), _snapshot(*own), what="gathered vs own")
 
 
-@pytest.mark.parametrize("flat", [True, False], ids=["flat", "eager"])
-def test_a_transposed_view_of_a_returned_leaf_is_read_by_value(flat: bool) -> None:
+@MODES
+def test_a_transposed_view_of_a_returned_leaf_is_read_by_value(mode: str) -> None:
     """A transposed view of a returned square leaf starts where the leaf did, with its
-    elements laid out differently: both paths give ``update`` + ``apply_updates``'s values
-    (the eager path used to keep the transposed strides for the param copy only)."""
+    elements laid out differently: it is gathered by value, and the result is ``update`` +
+    ``apply_updates``'s (the eager step once copied the param with its strides and the moments
+    with theirs, pairing the wrong elements)."""
     tx = fo.adam(lr=LR)
-    step, _ = _flat_step(tx)
+    step, _ = _flat_step(tx, mode)
     params, state = _loop(step, tx, make_params(((3, 3), (4,))), 2, seed=14)
     grads = make_grads(params, 1, seed=15)[0]
     moved = [params[0].t(), params[1]]
     assert moved[0].data_ptr() == params[0].data_ptr()
-    ours, _ = (step if flat else fo.pure_step(tx))(moved, grads, state)
+    ours, _ = step(moved, grads, state)
     updates, _ = tx.update(grads, state, moved)
     expected = fo.apply_updates(moved, updates)
     assert_tensors_equal(list(ours), list(expected), *TOL[torch.float32], what="params")
@@ -160,8 +188,8 @@ def test_gradient_buffers_a_view_escaped_from_are_replaced() -> None:
     """If a transform kept a view of the private gradient copy, the step copies it away
     before writing over it."""
     params = make_params()
-    layout = _Layout(params, [(list(range(len(params))), 0.0)])
-    pool = _Pool(layout, 3)
+    layout = Layout(params, [(list(range(len(params))), 0.0)])
+    pool = Pool(layout, 3)
     grads = make_grads(params, 1)[0]
     first = pool.gradient_buffers()
     layout.gather(grads, first)
@@ -184,17 +212,24 @@ def _counts_drifted(params: list[Tensor]) -> tuple[fo.GradientTransformation, An
     return tx, state
 
 
-def test_unequal_step_counts_take_the_eager_path_bitwise() -> None:
+def test_unequal_step_counts_take_the_fused_way_bitwise() -> None:
+    """The out-of-place kernel takes one step count; counters that drifted apart (a leaf
+    without a gradient once) go the way with per-leaf counts: pure_step's default, bitwise."""
     params = make_params()
     tx, state = _counts_drifted(params)
-    step, flat = _flat_step(tx)
+    step, _ = _flat_step(tx)
     grads = make_grads(params, 1, seed=12)[0]
     ours = step(params, grads, state)
-    eager = fo.pure_step(tx)(params, grads, state)
-    assert _generations(flat) == 0
-    assert_tensors_equal(_snapshot(*ours), _snapshot(*eager), what="fallback")
+    default = fo.pure_step(tx)(params, grads, state)
+    assert_tensors_equal(_snapshot(*ours), _snapshot(*default), what="fallback")
 
 
+@pytest.mark.parametrize("mode", ["python", "fused"])
+@pytest.mark.parametrize(
+    "make_tx",
+    [lambda: fo.adam(lr=LR), lambda: fo.chain(fo.clip_by_global_norm(0.5), fo.adamw(lr=LR))],
+    ids=["adam", "clip then adamw"],
+)
 @pytest.mark.parametrize(
     "change",
     [
@@ -203,25 +238,29 @@ def test_unequal_step_counts_take_the_eager_path_bitwise() -> None:
     ],
     ids=["bfloat16 params", "float64 grads for float32 params"],
 )
-def test_calls_the_kernel_does_not_take_run_eagerly(
+def test_calls_the_out_of_place_kernel_does_not_take(
     change: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
+    make_tx: Callable[[], fo.GradientTransformation],
+    mode: str,
 ) -> None:
-    """Other dtypes, and gradients that do not match their params, go the eager way: same
-    result or same error."""
-    tx = fo.adam(lr=LR)
+    """Other dtypes, and gradients that do not match their params (which cannot be gathered),
+    give ``tx.step``'s result bitwise, or its error."""
+    tx = make_tx()
     pairs = [change(p, g) for p, g in zip(make_params(), make_grads(make_params(), 1)[0])]
     params = [p for p, _ in pairs]
     grads = [g for _, g in pairs]
     state = tx.init(params)
-    step, flat = _flat_step(tx)
+    step, _ = _flat_step(tx, mode)
+    ref_params = clone_tensors(params)
     try:
-        expected: Any = fo.pure_step(tx)(params, grads, state)
+        ref_state = tx.step(ref_params, clone_tensors(grads), tx.init(ref_params))
     except (RuntimeError, TypeError, ValueError) as error:
         with pytest.raises(type(error)):
             step(params, grads, state)
     else:
-        assert_tensors_equal(_snapshot(*step(params, grads, state)), _snapshot(*expected))
-    assert _generations(flat) == 0
+        new_params, new_state = step(params, grads, state)
+        assert_tensors_equal(list(new_params), ref_params, what="params")
+        assert_tensors_equal(_tensors(new_state), _tensors(ref_state), what="state")
 
 
 def test_autograd_and_torch_func_calls_take_the_per_leaf_path() -> None:
@@ -231,7 +270,7 @@ def test_autograd_and_torch_func_calls_take_the_per_leaf_path() -> None:
 
     def after(lr: Tensor, use_flat: bool) -> Tensor:
         tx = fo.adam(lr=lr)
-        step = _make_step(tx, CHUNK_BYTES, flat) if use_flat else fo.pure_step(tx)
+        step = _make_step(tx, flat) if use_flat else fo.pure_step(tx)
         new, _ = step(params, grads, tx.init(params))
         return sum((p * p).sum() for p in new)  # type: ignore[return-value]
 

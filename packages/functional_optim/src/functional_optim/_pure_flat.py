@@ -1,33 +1,20 @@
-"""``pure_step(tx, compiled=True)``: Adam as one out-of-place kernel over recycled flat buffers.
+"""``pure_step``'s Adam over flat buffers it recycles: by copying, or one out-of-place kernel.
 
-The eager pure step copies the params and moments, then runs torch's fused kernel in place on
-the copies. On CPU that kernel is compute-bound, so the copies add their full cost on top of
-it: about 2.2x torch's in-place step. This path instead runs one kernel, compiled by
-``torch.compile``, that reads the old params and moments and writes the new ones in the same
-pass, so a pure step costs about what torch's in-place step does.
+The buffers, their layout and their reuse are :mod:`functional_optim._flat_buffers`'s.
 
-* **Layout.** The active leaves of one (device, dtype, weight decay) *bucket* lie end to end in
-  one flat buffer per kind (params, ``mu``, ``nu``, and ``nu_max`` with AMSGrad), grouped by
-  shape: one ``unbind`` makes the views of all the leaves of a shape, and one ``stack`` per
-  shape gathers the gradients into a private flat buffer the kernel reads. A *generation* is
-  one set of those buffers; the leaves the step returns are views into one.
-* **Recycling.** Fresh CPU memory costs a page fault per page on every step (the allocator
-  gives large blocks back to the OS), more than the step itself. So the step keeps the
-  generations it made and writes into one only when no tensor outside the step refers to its
-  storage any more (torch's storage use count): when the caller has dropped every leaf of it,
-  and every view of those. In ``params, state = step(params, grads, state)`` two generations
-  alternate. A step never writes into memory the caller can still see.
-* **Inputs.** When the params and moments passed in are the leaves of a kept generation, the
-  kernel reads that generation's buffers directly; otherwise (the first step, or state built
-  elsewhere) they are first gathered into a free generation.
+Two ways to compute (:data:`MODES`):
 
-Numbers: the same formula as torch's fused Adam/AdamW, in a different op order (the compiled
-kernel rounds ``lerp`` and the decay its own way): within a few float32 ulps of ``tx.step``,
-the tolerance tested in tests/functional_optim/test_pure_flat.py, not bitwise.
-
-The path takes Adam-tailed chains (see :mod:`functional_optim._pure_step`) over float32 and
-float64 params whose gradients match them in shape, dtype and device, and whose step counters
-all hold the same value. Any other call runs the eager pure step.
+* ``"fused"`` (``pure_step``'s default): each chunk of about ``chunk_bytes`` is copied from the
+  old generation into the new one (one slice copy per buffer) and torch's fused kernel runs in
+  place on it while it is in cache: ``tx.step``'s kernel, bitwise. On CPU that kernel is
+  compute-bound, so the copies still add their cost: about 2x torch's in-place step.
+* ``"compiled"`` (``pure_step(tx, compiled=True)``): the gradients are gathered into a private
+  flat buffer (the chain's components before Adam run there, in place), then one kernel
+  compiled by ``torch.compile`` reads the old params and moments and writes the new ones in
+  the same pass, the first moment over the gathered gradients (their lines are in cache; a
+  fresh output must first be read in). Its op order is not torch's: within an ulp or two of
+  ``tx.step`` (tests/functional_optim/test_pure_flat.py). It needs float32/float64 params and
+  one step count for all leaves; other calls take the ``"fused"`` way.
 """
 
 from __future__ import annotations
@@ -35,19 +22,18 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from functional_optim._counts import incremented, uniform_count
+from functional_optim._flat_buffers import Generation, Layout, Pool, eligible, groups_key
 from functional_optim._lists import LeafView, with_active_leaves
+from functional_optim.kernels._dispatch import resolve_impl
+from functional_optim.kernels.adam import adam_impl
 
-__all__ = ["MAX_GENERATIONS", "FlatAdam", "adam_out", "amsgrad_out"]
-
-#: Generations a step keeps for reuse: two alternate in a loop, a third covers a caller that
-#: holds one older state (or the gathered copy of state built elsewhere).
-MAX_GENERATIONS = 3
+__all__ = ["MAX_LAYOUTS", "MODES", "FlatAdam", "adam_out", "amsgrad_out"]
 
 #: Kinds of flat buffer per generation: params, mu, nu (and nu_max with AMSGrad).
 _PLAIN_KINDS = 3
@@ -118,189 +104,30 @@ def _kernel(amsgrad: bool, compiled: bool) -> Kernel:
     return fn
 
 
-def _unshared(flat: Tensor) -> bool:
-    """Whether nothing but ``flat`` refers to its storage (no view of it is alive). Without
-    torch's storage use count, nothing is ever reused."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:
-        return False
-    return bool(use_count(flat.untyped_storage()._cdata) == 2)  # 2: with the one asked here
+#: How a :class:`FlatAdam` computes: ``"fused"`` copies the old buffers into the new ones
+#: and runs torch's kernel in place on them (bitwise ``tx.step``); ``"compiled"`` runs the
+#: out-of-place kernel compiled; ``"python"`` runs it eagerly (tests).
+MODES = ("fused", "compiled", "python")
 
-
-class _Run(NamedTuple):
-    """Leaves of one shape, consecutive in a bucket's flat buffer."""
-
-    shape: torch.Size
-    positions: list[int]
-    start: int
-    stop: int
-
-
-class _Bucket(NamedTuple):
-    """The leaves of one device, dtype and weight decay; ``size`` is the flat buffer's length
-    (at least 2, so that dynamic-shape compilation never specialises a buffer of one)."""
-
-    device: torch.device
-    dtype: torch.dtype
-    weight_decay: float
-    runs: list[_Run]
-    size: int
-
-
-class _Layout:
-    """Where each active leaf lives in the flat buffers (see the module docstring)."""
-
-    def __init__(self, params: Sequence[Tensor], groups: Sequence[tuple[list[int], float]]) -> None:
-        self.shapes = [p.shape for p in params]
-        self.dtypes = [p.dtype for p in params]
-        self.devices = [p.device for p in params]
-        self.groups = _groups_key(groups)
-        buckets: list[_Bucket] = []
-        self.bucket_of = [0] * len(params)
-        self.byte_offset = [0] * len(params)
-        for positions, wd in groups:
-            by_kind: dict[tuple[torch.device, torch.dtype], dict[torch.Size, list[int]]] = {}
-            for j in positions:
-                p = params[j]
-                by_kind.setdefault((p.device, p.dtype), {}).setdefault(p.shape, []).append(j)
-            for (device, dtype), by_shape in by_kind.items():
-                runs: list[_Run] = []
-                start = 0
-                size = torch.empty((), dtype=dtype).element_size()
-                for shape, where in by_shape.items():
-                    stop = start + len(where) * shape.numel()
-                    runs.append(_Run(shape, where, start, stop))
-                    for k, j in enumerate(where):
-                        self.bucket_of[j] = len(buckets)
-                        self.byte_offset[j] = (start + k * shape.numel()) * size
-                    start = stop
-                buckets.append(_Bucket(device, dtype, wd, runs, max(start, 2)))
-        self.buckets = buckets
-
-    def fits(self, params: Sequence[Tensor], grads: Sequence[Tensor]) -> bool:
-        """Whether ``params`` and ``grads`` have this layout's shapes, dtypes and devices (and
-        the gradients are dense)."""
-        if len(params) != len(self.shapes):
-            return False
-        for p, g, shape, dtype, device in zip(
-            params, grads, self.shapes, self.dtypes, self.devices, strict=True
-        ):
-            if (
-                p.shape != shape
-                or g.shape != shape
-                or p.dtype != dtype
-                or g.dtype != dtype
-                or p.device != device
-                or g.device != device
-                or g.layout != torch.strided
-            ):
-                return False
-        return True
-
-    def new_flats(self) -> list[Tensor]:
-        """One uninitialised flat buffer per bucket."""
-        return [torch.empty(b.size, dtype=b.dtype, device=b.device) for b in self.buckets]
-
-    def views(self, flats: Sequence[Tensor]) -> list[Tensor]:
-        """The leaf views of one flat buffer per bucket, in active-leaf order."""
-        out: list[Any] = [None] * len(self.shapes)
-        for bucket, flat in zip(self.buckets, flats, strict=True):
-            for run in bucket.runs:
-                block = flat[run.start : run.stop].view(len(run.positions), *run.shape)
-                for j, leaf in zip(run.positions, block.unbind(0), strict=True):
-                    out[j] = leaf
-        return out
-
-    def gather(self, leaves: Sequence[Tensor], flats: Sequence[Tensor]) -> None:
-        """Copy ``leaves`` (active order, this layout's shapes) into the flat buffers."""
-        for bucket, flat in zip(self.buckets, flats, strict=True):
-            for run in bucket.runs:
-                out = flat[run.start : run.stop].view(len(run.positions), *run.shape)
-                torch.stack([leaves[j] for j in run.positions], out=out)
-
-    def holds(self, leaves: Sequence[Tensor], flats: Sequence[Tensor]) -> bool:
-        """Whether each leaf is exactly the view :meth:`views` makes of ``flats``."""
-        bases = [f.data_ptr() for f in flats]
-        for leaf, b, offset, shape, dtype in zip(
-            leaves, self.bucket_of, self.byte_offset, self.shapes, self.dtypes, strict=True
-        ):
-            if (
-                leaf.data_ptr() != bases[b] + offset
-                or leaf.shape != shape
-                or leaf.dtype != dtype
-                or not leaf.is_contiguous()
-            ):
-                return False
-        return True
-
-
-Generation = list[list[Tensor]]  # kind -> bucket -> flat buffer
-
-
-class _Pool:
-    """The generations of one layout, and the private flat gradients."""
-
-    def __init__(self, layout: _Layout, kinds: int) -> None:
-        self.layout = layout
-        self.kinds = kinds
-        self.generations: list[Generation] = []
-        self.grads = layout.new_flats()
-
-    def _free(self, gen: Generation) -> bool:
-        return all(_unshared(flat) for kind in gen for flat in kind)
-
-    def acquire(self, avoid: Generation | None = None) -> Generation:
-        """A generation nothing else refers to (kept for reuse while there is room)."""
-        for gen in self.generations:
-            if gen is not avoid and self._free(gen):
-                return gen
-        gen = [self.layout.new_flats() for _ in range(self.kinds)]
-        if len(self.generations) < MAX_GENERATIONS:
-            self.generations.append(gen)
-        return gen
-
-    def source(self, leaves: Sequence[Sequence[Tensor]]) -> Generation:
-        """The generation whose views ``leaves`` (one list per kind) are; else a free one
-        they are gathered into."""
-        for gen in self.generations:
-            if all(self.layout.holds(ls, kind) for ls, kind in zip(leaves, gen, strict=True)):
-                return gen
-        gen = self.acquire()
-        for ls, kind in zip(leaves, gen, strict=True):
-            self.layout.gather(ls, kind)
-        return gen
-
-    def gradient_buffers(self) -> list[Tensor]:
-        """The private flat gradients, replaced first if anything kept a view of them (a
-        transform's state, say), so that gathering never writes into a live tensor."""
-        if not all(_unshared(flat) for flat in self.grads):
-            self.grads = self.layout.new_flats()
-        return self.grads
-
-    def reclaim_gradients(self) -> list[Tensor]:
-        """The gradient buffers once more, copied first if a transform kept a view of them in
-        its new state: the kernel writes the first moment over them."""
-        if not all(_unshared(flat) for flat in self.grads):
-            self.grads = [flat.clone() for flat in self.grads]
-        return self.grads
-
-    def rotate(self, gen: Generation) -> None:
-        """``gen`` takes the gradient buffers (the kernel wrote its first moment there) and
-        its old first-moment buffers, free like the rest of it, become the gradient ones."""
-        gen[1], self.grads = self.grads, gen[1]
+#: Layouts (and their buffers) a step keeps: one per set of leaves with a gradient.
+MAX_LAYOUTS = 4
 
 
 class FlatAdam:
-    """The state behind one ``pure_step(tx, compiled=True)``: its layout, buffers and lock.
+    """The state behind one ``pure_step``: its layouts, buffers and lock.
 
     Args:
-        compiled: run the kernel through ``torch.compile`` (False: the same Python kernel in
-            eager mode, slower; the tests use it to check the layout and recycling quickly).
+        mode: one of :data:`MODES`.
+        chunk_bytes: with ``"fused"``, about how many bytes of each buffer are copied before
+            the kernel runs on them (so that it finds them in cache).
     """
 
-    def __init__(self, compiled: bool = True) -> None:
-        self.compiled = compiled
-        self._pool: _Pool | None = None
+    def __init__(self, mode: str = "fused", chunk_bytes: int = 1 << 20) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+        self.chunk_bytes = chunk_bytes
+        self._pools: dict[Any, Pool] = {}
         self._lock = threading.Lock()
 
     def _pool_for(
@@ -309,21 +136,21 @@ class FlatAdam:
         grads: Sequence[Tensor],
         groups: Sequence[tuple[list[int], float]],
         kinds: int,
-    ) -> _Pool | None:
-        """The pool for this call's layout (a new one when it changed); None when the call
-        does not fit this path."""
-        pool = self._pool
-        if (
-            pool is not None
-            and pool.kinds == kinds
-            and pool.layout.groups == _groups_key(groups)
-            and pool.layout.fits(params, grads)
-        ):
+        gather: bool,
+    ) -> Pool | None:
+        """The pool for this call's layout (a new one when none fits); None when ``gather``
+        (the gradients are to be copied into flat buffers) and they do not match the params."""
+        key = (len(params), kinds, groups_key(groups))
+        pool = self._pools.get(key)
+        if pool is not None and pool.layout.fits(params, grads, not gather):
             return pool
-        if not _eligible(params, grads):
+        if not eligible(params, grads, gather):
             return None
-        pool = _Pool(_Layout(params, groups), kinds)
-        self._pool = pool
+        pool = Pool(Layout(params, groups), kinds)
+        self._pools.pop(key, None)
+        if len(self._pools) >= MAX_LAYOUTS:
+            del self._pools[next(iter(self._pools))]
+        self._pools[key] = pool
         return pool
 
     def step(
@@ -335,9 +162,13 @@ class FlatAdam:
         state: Any,
         lr: float,
         groups: list[tuple[list[int], float]],
+        fused_only: bool = False,
     ) -> tuple[list[Tensor], Any] | None:
-        """New active params and ``ScaleByAdamState``; None (nothing done) when the call does
-        not fit this path.
+        """New active params and ``ScaleByAdamState``, or None (nothing done) when the
+        gradients would have to be copied into flat buffers and do not match the params.
+
+        The out-of-place kernel runs when the mode asks for it, the params are float32 or
+        float64 and every step counter holds the same value; otherwise the ``"fused"`` way.
 
         Args:
             view: the leaf view (``view.params`` are the active params).
@@ -348,56 +179,40 @@ class FlatAdam:
             state: the old ``ScaleByAdamState`` (not written to).
             lr: the learning rate of this step.
             groups: ``(active positions, weight decay)`` per decay group.
+            fused_only: take the ``"fused"`` way whatever the mode.
         """
         params = view.params
         counts = view.gather(state.count)
         amsgrad = bool(hyper["amsgrad"])
         kinds = _PLAIN_KINDS + int(amsgrad)
+        out_of_place = self.mode != "fused" and not fused_only
         with self._lock:
-            pool = self._pool_for(params, grads, groups, kinds)
-            count = None if pool is None else uniform_count(counts)
-            if pool is None or count is None:
+            pool = self._pool_for(params, grads, groups, kinds, out_of_place or head is not None)
+            if pool is None:
                 return None
-            layout = pool.layout
-            flat_grads = pool.gradient_buffers()
-            layout.gather(grads, flat_grads)
-            if head is not None:
-                own = layout.views(flat_grads)
-                updates = head(list(own))
-                moved = [j for j, (u, g) in enumerate(zip(updates, own, strict=True)) if u is not g]
-                if moved:
-                    torch._foreach_copy_([own[j] for j in moved], [updates[j] for j in moved])
-                del updates, own
-                flat_grads = pool.reclaim_gradients()
+            count = uniform_count(counts) if out_of_place and pool.layout.floats else None
+            out_of_place = count is not None
+            updates = grads
+            if out_of_place or head is not None:
+                updates = _gathered_updates(pool, grads, head)
             moments = [view.gather(state.mu), view.gather(state.nu)]
             if amsgrad:
                 moments.append(view.gather(state.nu_max))
-            source = pool.source([params, *moments])
-            target = pool.acquire(avoid=source)
-            kernel = _kernel(amsgrad, self.compiled)
-            b1, b2, eps = float(hyper["b1"]), float(hyper["b2"]), float(hyper["eps"])
-            t = count + 1
-            step_size = lr / (1 - b1**t)
-            bc2_sqrt = math.sqrt(1 - b2**t)
-            for b, bucket in enumerate(layout.buckets):
-                scalars = torch.tensor(
-                    [step_size, 1 - b1, b2, bc2_sqrt, eps, 1 - lr * bucket.weight_decay, 1 - b2],
-                    dtype=bucket.dtype,
-                    device=bucket.device,
+            new_counts = incremented(counts)
+            sources = [params, *moments]
+            if count is not None:
+                compiled = self.mode == "compiled"
+                del updates  # the kernel reads the flat gradients, and writes over them
+                target = _out_of_place(pool, sources, hyper, lr, count + 1, compiled)
+            else:
+                target = _copy_then_fused(
+                    pool, sources, updates, new_counts, hyper, lr, self.chunk_bytes
                 )
-                kernel(
-                    source[0][b],
-                    flat_grads[b],
-                    *(kind[b] for kind in source[1:]),
-                    target[0][b],
-                    *(kind[b] for kind in target[2:]),
-                    scalars,
-                )
-            pool.rotate(target)
-            outputs = [layout.views(kind) for kind in target]
+                del updates
+            outputs = [pool.layout.views(kind) for kind in target]
         new_params, new_mu, new_nu, *rest = outputs
         new_state = state._replace(
-            count=with_active_leaves(view, state.count, incremented(counts)),
+            count=with_active_leaves(view, state.count, new_counts),
             mu=with_active_leaves(view, state.mu, new_mu),
             nu=with_active_leaves(view, state.nu, new_nu),
             nu_max=with_active_leaves(view, state.nu_max, rest[0]) if amsgrad else state.nu_max,
@@ -405,23 +220,96 @@ class FlatAdam:
         return new_params, new_state
 
 
-_FLOATS = (torch.float32, torch.float64)
+def _gathered_updates(pool: Pool, grads: list[Tensor], head: HeadFn | None) -> list[Tensor]:
+    """The gradients copied into the pool's private flat buffers, the chain's head run over
+    them in place; returns the views (their values are the updates Adam takes)."""
+    layout = pool.layout
+    flat_grads = pool.gradient_buffers()
+    layout.gather(grads, flat_grads)
+    own = layout.views(flat_grads)
+    if head is not None:
+        updates = head(list(own))
+        moved = [j for j, (u, g) in enumerate(zip(updates, own, strict=True)) if u is not g]
+        if moved:
+            torch._foreach_copy_([own[j] for j in moved], [updates[j] for j in moved])
+        del updates
+    return own
 
 
-def _eligible(params: Sequence[Tensor], grads: Sequence[Tensor]) -> bool:
-    """Whether every param is float32/float64 and its gradient a dense tensor of the same
-    shape, dtype and device (and there is at least one)."""
-    for p, g in zip(params, grads, strict=True):
-        if (
-            p.dtype not in _FLOATS
-            or g.dtype != p.dtype
-            or g.shape != p.shape
-            or g.device != p.device
-            or g.layout != torch.strided
-        ):
-            return False
-    return bool(params)
+def _out_of_place(
+    pool: Pool, sources: list[list[Tensor]], hyper: Any, lr: float, t: float, compiled: bool
+) -> Generation:
+    """The compiled (or Python) kernel from the sources' generation into a free one."""
+    layout = pool.layout
+    flat_grads = pool.reclaim_gradients()
+    source = pool.find(sources)
+    if source is None:
+        source = pool.acquire()
+        for leaves, kind in zip(sources, source, strict=True):
+            layout.gather(leaves, kind)
+    target = pool.acquire(avoid=source)
+    amsgrad = len(sources) > _PLAIN_KINDS
+    kernel = _kernel(amsgrad, compiled)
+    b1, b2, eps = float(hyper["b1"]), float(hyper["b2"]), float(hyper["eps"])
+    step_size = lr / (1 - b1**t)
+    bc2_sqrt = math.sqrt(1 - b2**t)
+    for b, bucket in enumerate(layout.buckets):
+        decay = 1 - lr * bucket.weight_decay
+        scalars = torch.tensor(
+            [step_size, 1 - b1, b2, bc2_sqrt, eps, decay, 1 - b2],
+            dtype=bucket.dtype,
+            device=bucket.device,
+        )
+        kernel(
+            source[0][b],
+            flat_grads[b],
+            *(kind[b] for kind in source[1:]),
+            target[0][b],
+            *(kind[b] for kind in target[2:]),
+            scalars,
+        )
+    pool.rotate(target)
+    return target
 
 
-def _groups_key(groups: Sequence[tuple[list[int], float]]) -> tuple[Any, ...]:
-    return tuple((tuple(positions), wd) for positions, wd in groups)
+def _copy_then_fused(
+    pool: Pool,
+    sources: list[list[Tensor]],
+    updates: list[Tensor],
+    counts: list[Tensor],
+    hyper: Any,
+    lr: float,
+    chunk_bytes: int,
+) -> Generation:
+    """The old buffers copied into a free generation, a chunk at a time, and torch's kernel
+    run in place on each chunk while it is in cache: ``tx.step``'s kernel and numbers.
+
+    ``counts`` are the incremented counters (torch's fused kernel reads them as they are; the
+    other paths increment clones of the old ones)."""
+    layout = pool.layout
+    source = pool.find(sources)
+    target = pool.acquire(avoid=source)
+    if source is None:
+        for leaves, kind in zip(sources, target, strict=True):
+            layout.gather(leaves, kind)
+    views = [layout.views(kind) for kind in target]
+    amsgrad = len(sources) > _PLAIN_KINDS
+    b1, b2, eps = float(hyper["b1"]), float(hyper["b2"]), float(hyper["eps"])
+    impl = resolve_impl("auto", views[0], True)
+    for b, positions, start, stop in layout.chunks(chunk_bytes):
+        if source is not None:
+            for old, new in zip(source, target, strict=True):
+                new[b][start:stop].copy_(old[b][start:stop])
+        p, m, v, *rest = [[kind[j] for j in positions] for kind in views]
+        g = [updates[j] for j in positions]
+        wd = layout.buckets[b].weight_decay
+        if impl == "fused":  # counts already incremented: call torch's kernel directly
+            fused = torch._fused_adamw_ if wd != 0.0 else torch._fused_adam_
+            c = [counts[j] for j in positions]
+            fused(p, g, m, v, rest[0] if amsgrad else [], c, lr=lr, beta1=b1, beta2=b2,
+                  weight_decay=wd, eps=eps, amsgrad=amsgrad, maximize=False)  # fmt: skip
+        else:
+            c = [counts[j] - 1 for j in positions]  # the kernel increments them
+            v_max = rest[0] if amsgrad else []
+            adam_impl(p, g, m, v, v_max, c, amsgrad, b1, b2, lr, wd, eps, False, wd != 0.0, impl)
+    return target

@@ -22,10 +22,11 @@ Numbers: the same kernels and op order as the chain's in-place ``tx.step`` (bitw
 it, and to ``torch.optim.Adam(fused=True)``); against ``tx.update`` + ``apply_updates`` they
 differ by the fused kernel's roundings, the tolerance documented for the aliases' fused steps.
 
-On CPU torch's fused kernel is compute-bound, so the copies cost their full time on top of it
-(about 2.2x torch's in-place step). ``pure_step(tx, compiled=True)`` runs the same chains as
-one out-of-place kernel compiled by ``torch.compile`` over recycled flat buffers instead
-(:mod:`functional_optim._pure_flat`), within an ulp or two of ``tx.step``.
+The copies go into flat buffers the step keeps and reuses (fresh CPU memory costs a page
+fault per page), and in a loop they are single slice copies of the step's own last outputs;
+see :mod:`functional_optim._pure_flat`. ``pure_step(tx, compiled=True)`` runs the same chains
+as one out-of-place kernel compiled by ``torch.compile`` instead, within an ulp or two of
+``tx.step``.
 """
 
 from __future__ import annotations
@@ -37,21 +38,16 @@ import torch
 from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState, apply_updates
-from functional_optim._counts import incremented
 from functional_optim._fusion import _decay_split, _learning_rate, _lists, plan_tail
 from functional_optim._lists import (
     LeafView,
     _copy_state,
-    by_device_dtype,
     pure_apply_all,
     recording,
-    with_active_leaves,
 )
 from functional_optim._pure_flat import FlatAdam
 from functional_optim._transforms.hyperparams import InjectHyperparamsState, injected_inner
 from functional_optim._tree import PyTree
-from functional_optim.kernels._dispatch import resolve_impl
-from functional_optim.kernels.adam import adam_impl
 
 __all__ = ["CHUNK_BYTES", "PureStepFn", "pure_step"]
 
@@ -77,11 +73,13 @@ def pure_step(
         chunk_bytes: about how many bytes of each buffer one chunk of leaves holds (a leaf
             larger than that is a chunk of its own).
         compiled: run Adam-tailed chains as one out-of-place kernel compiled by
-            ``torch.compile`` (compiled on the first call; see
-            :mod:`functional_optim._pure_flat`): about as fast as torch's in-place fused step,
-            equal to ``tx.step`` to a few float32 ulps instead of bitwise. The step then keeps
-            up to two spare generations of params and moments for reuse, as a caching
-            allocator would; they are freed with the step function.
+            ``torch.compile`` (compiled on the first call), within an ulp or two of
+            ``tx.step`` instead of bitwise; see :mod:`functional_optim._pure_flat`.
+
+    The new params and moments of Adam-tailed chains are views into flat buffers that the
+    step reuses once the caller holds no view of them: in a loop it keeps one spare set of
+    params and moments (two if the caller keeps an older state), as a caching allocator would.
+    They are freed with the step function.
 
     Returns:
         ``step(params, grads, state) -> (new params, new state)``. Params whose gradient is
@@ -104,17 +102,17 @@ def pure_step(
         )
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    return _make_step(tx, chunk_bytes, FlatAdam(compiled=True) if compiled else None)
+    return _make_step(tx, FlatAdam("compiled" if compiled else "fused", chunk_bytes))
 
 
-def _make_step(tx: GradientTransformation, chunk_bytes: int, flat: FlatAdam | None) -> PureStepFn:
-    """:func:`pure_step` with the flat Adam path given (tests pass an eager one)."""
+def _make_step(tx: GradientTransformation, flat: FlatAdam) -> PureStepFn:
+    """:func:`pure_step` with its flat buffers' owner given (tests pick its mode)."""
 
     def step(params: PyTree, grads: PyTree, state: OptState) -> tuple[PyTree, OptState]:
         if _fusable(tx, state) and not recording(params, grads, state):
             view = LeafView(params, grads)
             with torch.no_grad():
-                new_active, new_state = _fused(tx, view, view.grads, state, chunk_bytes, flat)
+                new_active, new_state = _fused(tx, view, view.grads, state, flat)
             leaves = list(view.all_params)
             for i, p in zip(view.idx, new_active, strict=True):
                 leaves[i] = p
@@ -161,8 +159,7 @@ def _fused(
     view: LeafView,
     updates: list[Tensor],
     state: OptState,
-    chunk: int,
-    flat: FlatAdam | None,
+    flat: FlatAdam,
     prefix: Prefix = _no_prefix,
 ) -> tuple[list[Tensor], OptState]:
     """New active params and the new state of a transform :func:`_fusable` accepted.
@@ -172,7 +169,7 @@ def _fused(
     """
     if injected_inner(tx, state) is not None:
         inner_tx, inner_state = _inner(tx, state)
-        new_params, new_inner = _fused(inner_tx, view, updates, inner_state, chunk, flat, prefix)
+        new_params, new_inner = _fused(inner_tx, view, updates, inner_state, flat, prefix)
         return new_params, InjectHyperparamsState(state.hyperparams, new_inner)
     assert tx.lists is not None
     components: Sequence[GradientTransformation] = tx.lists.hyper["transforms"]
@@ -189,9 +186,7 @@ def _fused(
 
     if plan.rule == "step":
         i = plan.tail[0]
-        new_params, new_state[i] = _fused(
-            components[i], view, updates, state[i], chunk, flat, run_head
-        )
+        new_params, new_state[i] = _fused(components[i], view, updates, state[i], flat, run_head)
         return new_params, tuple(new_state)
     tail = [_lists(components[i]) for i in plan.tail]
     last = plan.tail[-1]
@@ -201,93 +196,12 @@ def _fused(
     groups = [(list(range(len(updates))), wd)] if decayed is None else [(decayed, wd), (rest, 0.0)]
     adam = plan.tail[0]
     hyper = tail[0].hyper
-    result = None
-    if flat is not None:
-        trivial = not head and prefix is _no_prefix
-        head_fn = None if trivial else lambda owned: run_head(owned, True)
-        result = flat.step(view, updates, head_fn, hyper, state[adam], lr, groups)
-    if result is None:
+    trivial = not head and prefix is _no_prefix
+    head_fn = None if trivial else lambda owned: run_head(owned, True)
+    result = flat.step(view, updates, head_fn, hyper, state[adam], lr, groups)
+    if result is None:  # gradients unlike their params: the head on copies, the kernel objects
         current = run_head(updates, False)
-        result = _adam_chunks(view, current, hyper, state[adam], lr, groups, chunk)
+        result = flat.step(view, current, None, hyper, state[adam], lr, groups, fused_only=True)
+        assert result is not None
     new_params, new_state[adam] = result
     return new_params, tuple(new_state)
-
-
-def _chunks(tensors: Sequence[Tensor], positions: Sequence[int], chunk: int) -> list[list[int]]:
-    """``positions`` cut in order into runs of one device and dtype, each of about ``chunk``
-    bytes (of ``tensors``)."""
-    out: list[list[int]] = []
-    for group in by_device_dtype([tensors[j] for j in positions]):
-        run: list[int] = []
-        size = 0
-        for k in group:
-            j = positions[k]
-            run.append(j)
-            size += tensors[j].numel() * tensors[j].element_size()
-            if size >= chunk:
-                out.append(run)
-                run, size = [], 0
-        if run:
-            out.append(run)
-    return out
-
-
-def _fresh(tensors: list[Tensor]) -> list[Tensor]:
-    """New contiguous tensors with the values of ``tensors`` (one ``_foreach_copy_``).
-
-    Contiguous, not ``empty_like``'s strides: the fused kernel walks params and moments in
-    memory order, so a param passed transposed must not keep its strides while its moments
-    keep theirs."""
-    out = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-    torch._foreach_copy_(out, tensors)
-    return out
-
-
-def _adam_chunks(
-    view: LeafView,
-    updates: list[Tensor],
-    hyper: Any,
-    state: Any,
-    lr: float,
-    groups: list[tuple[list[int], float]],
-    chunk: int,
-) -> tuple[list[Tensor], Any]:
-    """Adam on copies of the params and moments, chunk by chunk; returns the new params and
-    the new ``ScaleByAdamState``. The path (fused, foreach, single) is resolved once over all
-    the params, as ``tx.step`` does."""
-    amsgrad = bool(hyper["amsgrad"])
-    b1, b2, eps = float(hyper["b1"]), float(hyper["b2"]), float(hyper["eps"])
-    params = view.params
-    sources = [params, view.gather(state.mu), view.gather(state.nu)]
-    if amsgrad:
-        sources.append(view.gather(state.nu_max))
-    old_counts = view.gather(state.count)
-    counts = incremented(old_counts)
-    impl = resolve_impl("auto", params, True) if params else "fused"
-    new = [list(src) for src in sources]
-    for positions, wd in groups:
-        for run in _chunks(params, positions, chunk):
-            p, m, v, *rest = [_fresh([src[j] for j in run]) for src in sources]
-            v_max = rest[0] if rest else []
-            g = [updates[j] for j in run]
-            if impl == "fused":  # counts already incremented: call torch's kernel directly
-                fused = torch._fused_adamw_ if wd != 0.0 else torch._fused_adam_
-                c = [counts[j] for j in run]
-                fused(p, g, m, v, v_max, c, lr=lr, beta1=b1, beta2=b2, weight_decay=wd,
-                      eps=eps, amsgrad=amsgrad, maximize=False)  # fmt: skip
-            else:
-                c = [old_counts[j].clone() for j in run]  # the kernel increments them
-                adam_impl(
-                    p, g, m, v, v_max, c, amsgrad, b1, b2, lr, wd, eps, False, wd != 0.0, impl
-                )
-            for buffer, copies in zip(new, (p, m, v, v_max), strict=False):
-                for j, x in zip(run, copies, strict=True):
-                    buffer[j] = x
-    new_mu, new_nu = new[1], new[2]
-    new_state = state._replace(
-        count=with_active_leaves(view, state.count, counts),
-        mu=with_active_leaves(view, state.mu, new_mu),
-        nu=with_active_leaves(view, state.nu, new_nu),
-        nu_max=with_active_leaves(view, state.nu_max, new[3]) if amsgrad else state.nu_max,
-    )
-    return new[0], new_state
