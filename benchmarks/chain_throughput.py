@@ -25,6 +25,10 @@ Rows:
 * ``finite adamw``: ``apply_if_finite(adamw chain without clip)`` vs torch's AMP finiteness
   check (``_amp_foreach_non_finite_check_and_unscale_`` at scale 1, what ``GradScaler.unscale_``
   runs) then ``AdamW(fused=True)`` when the gradients are finite;
+* ``multisteps adamw``: four calls of ``fo.Optimizer(MultiSteps(adamw chain without clip, 4))``
+  (accumulate, step on the mean on the fourth) vs four ``_foreach_add_`` into a sum, its mean
+  and ``AdamW(fused=True)`` (a torch user accumulates in ``.grad`` for free and scales the
+  loss, so this reference is the cheapest explicit accumulation);
 * ``pure adam`` and ``pure adamw chain``: ``tx.update`` + ``apply_updates`` (nothing mutated)
   vs ``Adam(fused=True)``;
 * ``pure step adam`` and ``pure step adamw chain``: ``fo.pure_step(tx)`` (the update and
@@ -54,6 +58,7 @@ from functional_optim.functional import FunctionalAdam
 
 LR, WD, MAX_NORM = 1e-4, 1e-2, 1.0
 LION_B1, LION_B2 = 0.9, 0.99
+ACCUMULATE = 4
 HEADERS = ("chain", "tensors", "ours", "ours ms", "torch reference", "torch ms", "x torch")
 Step = Callable[[], Any]
 
@@ -171,6 +176,37 @@ def _torch_finite_adamw(p: list[Tensor], g: list[Tensor]) -> Step:
     return step
 
 
+def _ours_multi_steps(p: list[Tensor], g: list[Tensor]) -> Step:
+    tx = fo.MultiSteps(_adamw_chain(fo.add_decayed_weights(WD)), ACCUMULATE)
+    opt = fo.Optimizer(_leaves(p, g), tx.gradient_transformation())
+
+    def step() -> None:
+        for _ in range(ACCUMULATE):
+            opt.step()
+
+    return step
+
+
+def _torch_accumulate_adamw(p: list[Tensor], g: list[Tensor]) -> Step:
+    leaves = _leaves(p, g)
+    opt = torch.optim.AdamW(leaves, lr=LR, weight_decay=WD, fused=True)
+    grads = [leaf.grad for leaf in leaves]
+    sums = [torch.zeros_like(x) for x in grads]
+
+    def step() -> None:
+        for _ in range(ACCUMULATE):
+            torch._foreach_add_(sums, grads)
+        torch._foreach_div_(sums, ACCUMULATE)
+        for leaf, mean in zip(leaves, sums, strict=True):
+            leaf.grad = mean
+        opt.step()
+        for leaf, grad in zip(leaves, grads, strict=True):
+            leaf.grad = grad
+        torch._foreach_zero_(sums)
+
+    return step
+
+
 def _torch_clip_rmsprop(p: list[Tensor], g: list[Tensor]) -> Step:
     leaves = _leaves(p, g)
     opt = torch.optim.RMSprop(leaves, lr=LR, foreach=True)
@@ -246,6 +282,8 @@ def _rows() -> list[tuple[str, str, Any, str, Any]]:
          _torch_clip_rmsprop),
         ("finite adamw", "fo.Optimizer", lambda p, g: _ours_optimizer(finite, p, g),
          "AMP finite check + AdamW(fused)", _torch_finite_adamw),
+        ("multisteps adamw", "fo.Optimizer, 4 calls", _ours_multi_steps,
+         "4 foreach adds, mean, AdamW(fused)", _torch_accumulate_adamw),
         ("pure adam", "fo.adam update", lambda p, g: _ours_pure(fo.adam(lr=LR), p, g),
          "Adam(fused)", _torch_adam),
         ("pure adamw chain", "chain update", lambda p, g: _ours_pure(adamw, p, g),

@@ -3,12 +3,17 @@ lookahead; bad input raises before anything is mutated."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from torch import Tensor
 
 import functional_optim as fo
 from functional_optim._tree import tree_leaves
+
+from ._parity import assert_tensors_equal
 
 
 def _params() -> dict[str, Tensor]:
@@ -172,6 +177,61 @@ def test_multi_steps_runs_in_place_through_optimizer() -> None:
         w.grad = torch.full((3,), g, dtype=torch.float64)
         opt.step()
     torch.testing.assert_close(w.detach(), torch.full((3,), 1.0 - 0.5 * 2.0, dtype=torch.float64))
+
+
+def _without_step(tx: fo.GradientTransformation) -> fo.GradientTransformation:
+    return fo.GradientTransformation(tx.init, tx.update)
+
+
+MULTI_STEPS_CASES: dict[str, Callable[[], fo.MultiSteps]] = {
+    "adamw (inner step)": lambda: fo.MultiSteps(fo.adamw(lr=0.1, weight_decay=0.1), 3),
+    "adamw, no inner step": lambda: fo.MultiSteps(
+        _without_step(fo.adamw(lr=0.1, weight_decay=0.1)), 3
+    ),
+    "sum, k=2, skip non-finite": lambda: fo.MultiSteps(
+        _without_step(fo.sgd(lr=0.5, momentum=0.9)),
+        lambda step: 2,
+        use_grad_mean=False,
+        should_skip_update_fn=fo.skip_not_finite,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MULTI_STEPS_CASES))
+def test_multi_steps_in_place_step_matches_update_then_apply(name: str) -> None:
+    """``step`` (what fo.Optimizer runs) against ``update(inplace=True)`` + ``apply_updates``:
+    bitwise for a sum, to rounding for a mean (one lerp against optax's division) or a fused
+    inner step. A ``None`` gradient and a non-finite one (skipped) are among the calls."""
+    ms = MULTI_STEPS_CASES[name]()
+    tx = ms.gradient_transformation()
+    assert tx.step is not None
+    gen = torch.Generator().manual_seed(3)
+    params = [
+        torch.randn(4, 3, generator=gen, dtype=torch.float64),
+        torch.randn(5, generator=gen, dtype=torch.float64),
+    ]
+    ours, ref = [p.clone() for p in params], [p.clone() for p in params]
+    state, ref_state = tx.init(ours), tx.init(ref)
+    tol = (0.0, 0.0) if "sum" in name else (1e-12, 1e-14)
+    for call in range(8):
+        grads: list[Tensor | None] = [
+            torch.randn(p.shape, generator=gen, dtype=torch.float64) for p in params
+        ]
+        if call == 4:
+            grads[1] = None
+        if call == 5:
+            grads[0][0, 0] = float("nan")
+        ref_grads = [None if g is None else g.clone() for g in grads]
+        state = tx.step(ours, grads, state)
+        updates, ref_state = tx.update(ref_grads, ref_state, ref, inplace=True)
+        fo.apply_updates(ref, updates, inplace=True)
+        assert_tensors_equal(ours, ref, *tol, what=f"params after call {call}")
+        assert_tensors_equal(_state_tensors(state), _state_tensors(ref_state), *tol, what="state")
+    assert int(state.gradient_step) >= 2
+
+
+def _state_tensors(state: Any) -> list[Tensor]:
+    return [x for x in tree_leaves(state) if isinstance(x, Tensor)]
 
 
 def test_apply_if_finite_skips_then_gives_up() -> None:

@@ -16,7 +16,7 @@ import optree
 import torch
 from torch import Tensor
 
-from functional_optim._base import GradientTransformation, OptState, StepFn
+from functional_optim._base import GradientTransformation, OptState, StepFn, apply_updates
 from functional_optim._fusion import view_step
 from functional_optim._lists import LeafView, ListTransform, by_device_dtype, pure_apply_all
 from functional_optim._transforms._leaf import is_traced
@@ -341,13 +341,70 @@ class MultiSteps:
         mini_step = state.mini_step.zero_() if inplace else torch.zeros_like(state.mini_step)
         return out, MultiStepsState(mini_step, step, inner_state, _zeros(acc_tree), skip_state)
 
+    def step(self, params: PyTree, grads: PyTree, state: MultiStepsState) -> MultiStepsState:
+        """In place: accumulate ``grads`` over flat lists, one ``_foreach`` op per call;
+        every ``k``-th call, run the inner optimizer's own ``step`` on the accumulated
+        gradients (or its ``update`` in place then ``apply_updates``), then zero them.
+
+        The numbers of ``update(inplace=True)`` + ``apply_updates`` to rounding: the running
+        mean is one ``lerp`` by ``1 / (n + 1)`` where ``update`` divides ``g - acc`` by
+        ``n + 1`` (optax's form; 2.5x the passes), and a fused inner step rounds as its
+        kernel does. The calls in between leave the params alone instead of adding zeros.
+
+        Args:
+            params: the params (updated in place on the ``k``-th call).
+            grads: the gradients (``None`` leaves allowed; not written to).
+            state: the state (its buffers updated in place).
+
+        Returns:
+            The new state (holding the same buffers).
+        """
+        skip_state = state.skip_state
+        if self._should_skip is not None:
+            skip, skip_state = self._should_skip(grads, state.gradient_step, params)
+            if bool(skip):
+                return state._replace(skip_state=skip_state)
+        view = LeafView(params, grads)
+        accs = view.gather(state.acc_grads)
+        mini = int(state.mini_step)
+        if view.grads:
+            if self._use_grad_mean:  # update's acc + (g - acc) / (mini + 1), as one lerp
+                torch._foreach_lerp_(accs, _like(view.grads, accs), 1.0 / (mini + 1))
+            else:
+                torch._foreach_add_(accs, _like(view.grads, accs))
+        if mini < self._k(state.gradient_step) - 1:
+            state.mini_step.add_(1)
+            return state._replace(skip_state=skip_state)
+        inner = self._opt
+        if inner.step is not None:
+            inner_state = inner.step(params, state.acc_grads, state.inner_opt_state)
+        else:
+            updates, inner_state = inner.update(
+                state.acc_grads, state.inner_opt_state, params, inplace=True
+            )
+            apply_updates(params, updates, inplace=True)
+        everything = [a for a in view.spec_leaves(state.acc_grads) if a is not None]
+        if everything:
+            torch._foreach_zero_(everything)
+        state.gradient_step.add_(1)
+        state.mini_step.zero_()
+        return MultiStepsState(
+            state.mini_step, state.gradient_step, inner_state, state.acc_grads, skip_state
+        )
+
     def has_updated(self, state: MultiStepsState) -> bool:
         """Whether the last ``update`` stepped the inner optimizer."""
         return int(state.mini_step) == 0 and int(state.gradient_step) > 0
 
     def gradient_transformation(self) -> GradientTransformation:
-        """This wrapper as a ``GradientTransformation`` (to chain it or give it to fo.Optimizer)."""
-        return GradientTransformation(self.init, self.update)
+        """This wrapper as a ``GradientTransformation`` (to chain it or give it to fo.Optimizer),
+        with :meth:`step` as its in-place step."""
+        return GradientTransformation(self.init, self.update, self.step)
+
+
+def _like(grads: list[Tensor], accs: list[Tensor]) -> list[Tensor]:
+    """``grads`` cast to their accumulators' dtypes where those differ."""
+    return [g if g.dtype == a.dtype else g.to(a.dtype) for g, a in zip(grads, accs, strict=True)]
 
 
 class LookaheadParams(NamedTuple):
