@@ -184,6 +184,28 @@ def test_a_transposed_view_of_a_returned_leaf_is_read_by_value(mode: str) -> Non
     assert_tensors_equal(list(ours), list(expected), *TOL[torch.float32], what="params")
 
 
+@MODES
+def test_buffers_made_in_inference_mode_are_not_written_outside_it(mode: str) -> None:
+    """Steps inside ``torch.inference_mode()`` make inference tensors, which may not be written
+    outside it: the step keeps separate buffers per mode, and the results stay usable."""
+    tx = fo.adam(lr=LR)
+    step, _ = _flat_step(tx, mode)
+    params = make_params(((3, 4), (5,)))
+    state = tx.init(params)
+    rows = make_grads(params, 7, seed=17)
+    ref_params, ref_state = params, state
+    with torch.inference_mode():
+        for row in rows[:3]:
+            params, state = step(params, row, state)
+    for row in rows[3:]:
+        params, state = step(params, row, state)
+    assert not params[0].is_inference()
+    for row in rows:
+        updates, ref_state = tx.update(row, ref_state, ref_params)
+        ref_params = fo.apply_updates(ref_params, updates)
+    assert_tensors_equal(list(params), list(ref_params), *TOL[torch.float32], what="params")
+
+
 def test_gradient_buffers_a_view_escaped_from_are_replaced() -> None:
     """If a transform kept a view of the private gradient copy, the step copies it away
     before writing over it."""

@@ -140,7 +140,8 @@ class FlatAdam:
     ) -> Pool | None:
         """The pool for this call's layout (a new one when none fits); None when ``gather``
         (the gradients are to be copied into flat buffers) and they do not match the params."""
-        key = (len(params), kinds, groups_key(groups))
+        # inference tensors cannot be written outside inference mode: a pool per mode
+        key = (len(params), kinds, groups_key(groups), torch.is_inference_mode_enabled())
         pool = self._pools.get(key)
         if pool is not None and pool.layout.fits(params, grads, not gather):
             return pool
