@@ -185,7 +185,7 @@ class Pool:
         self.layout = layout
         self.kinds = kinds
         self.generations: list[Generation] = []
-        self.grads = layout.new_flats()
+        self.grads: list[Tensor] | None = None
 
     def _free(self, gen: Generation) -> bool:
         return all(_unshared(flat) for kind in gen for flat in kind)
@@ -210,13 +210,14 @@ class Pool:
     def gradient_buffers(self) -> list[Tensor]:
         """The private flat gradients, replaced first if anything kept a view of them (a
         transform's state, say), so that gathering never writes into a live tensor."""
-        if not all(_unshared(flat) for flat in self.grads):
+        if self.grads is None or not all(_unshared(flat) for flat in self.grads):
             self.grads = self.layout.new_flats()
         return self.grads
 
     def reclaim_gradients(self) -> list[Tensor]:
         """The gradient buffers once more, copied first if a transform kept a view of them in
         its new state: the kernel writes the first moment over them."""
+        assert self.grads is not None, "gradient_buffers() first"
         if not all(_unshared(flat) for flat in self.grads):
             self.grads = [flat.clone() for flat in self.grads]
         return self.grads
@@ -224,7 +225,14 @@ class Pool:
     def rotate(self, gen: Generation) -> None:
         """``gen`` takes the gradient buffers (the kernel wrote its first moment there) and
         its old first-moment buffers, free like the rest of it, become the gradient ones."""
+        assert self.grads is not None, "gradient_buffers() first"
         gen[1], self.grads = self.grads, gen[1]
+
+    def release(self) -> None:
+        """Drop the spare generations (those nobody holds a view of) and the gradient
+        buffers: a step whose leaves with a gradient changed keeps only what it can use."""
+        self.generations = [gen for gen in self.generations if not self._free(gen)]
+        self.grads = None
 
 
 def eligible(params: Sequence[Tensor], grads: Sequence[Tensor], gather: bool) -> bool:

@@ -109,7 +109,8 @@ def _kernel(amsgrad: bool, compiled: bool) -> Kernel:
 #: out-of-place kernel compiled; ``"python"`` runs it eagerly (tests).
 MODES = ("fused", "compiled", "python")
 
-#: Layouts (and their buffers) a step keeps: one per set of leaves with a gradient.
+#: Layouts a step keeps (one per set of leaves with a gradient); only the one in use keeps
+#: spare buffers, so memory stays that of one layout when the set changes from step to step.
 MAX_LAYOUTS = 4
 
 
@@ -143,15 +144,17 @@ class FlatAdam:
         # inference tensors cannot be written outside inference mode: a pool per mode
         key = (len(params), kinds, groups_key(groups), torch.is_inference_mode_enabled())
         pool = self._pools.get(key)
-        if pool is not None and pool.layout.fits(params, grads, not gather):
-            return pool
-        if not eligible(params, grads, gather):
-            return None
-        pool = Pool(Layout(params, groups), kinds)
-        self._pools.pop(key, None)
-        if len(self._pools) >= MAX_LAYOUTS:
-            del self._pools[next(iter(self._pools))]
-        self._pools[key] = pool
+        if pool is None or not pool.layout.fits(params, grads, not gather):
+            if not eligible(params, grads, gather):
+                return None
+            pool = Pool(Layout(params, groups), kinds)
+            self._pools.pop(key, None)
+            if len(self._pools) >= MAX_LAYOUTS:
+                del self._pools[next(iter(self._pools))]
+            self._pools[key] = pool
+        for other in self._pools.values():
+            if other is not pool:
+                other.release()
         return pool
 
     def step(
