@@ -137,6 +137,32 @@ def test_a_changing_set_of_gradients_keeps_the_memory_of_one_layout(mode: str) -
 
 
 @MODES
+def test_float32_and_float64_leaves_in_one_tree(mode: str) -> None:
+    """One bucket per dtype (and per decay group): a mixed tree matches ``tx.step``."""
+    tx = fo.chain(
+        fo.clip_by_global_norm(0.5),
+        fo.scale_by_adam(),
+        fo.masked(fo.add_decayed_weights(0.1), lambda ps: [p.ndim > 1 for p in ps]),
+        fo.scale_by_learning_rate(LR),
+    )
+    step, flat = _flat_step(tx, mode)
+    params = make_params(dtype=torch.float32) + make_params(dtype=torch.float64, seed=4)
+    state = tx.init(params)
+    ref_params = clone_tensors(params)
+    ref_state = tx.init(ref_params)
+    tol = TOL[torch.float32] if mode == "python" else (0.0, 0.0)
+    for row in make_grads(params, 3, seed=19):
+        params, state = step(params, row, state)
+        ref_state = tx.step(ref_params, clone_tensors(row), ref_state)
+        assert_tensors_equal(list(params), ref_params, *tol, what="params")
+        assert_tensors_equal(_tensors(state), _tensors(ref_state), *tol, what="state")
+    (pool,) = _pools(flat)
+    assert {(b.dtype, b.weight_decay) for b in pool.layout.buckets} == {
+        (dtype, wd) for dtype in (torch.float32, torch.float64) for wd in (0.1, 0.0)
+    }
+
+
+@MODES
 def test_a_state_the_caller_keeps_is_never_overwritten(mode: str) -> None:
     """Old params and state, and a view of an old leaf, keep their values while the step goes
     on; the pool grows to its cap and no further."""
