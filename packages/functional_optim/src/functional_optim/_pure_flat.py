@@ -300,20 +300,31 @@ def _copy_then_fused(
     amsgrad = len(sources) > _PLAIN_KINDS
     b1, b2, eps = float(hyper["b1"]), float(hyper["b2"]), float(hyper["eps"])
     impl = resolve_impl("auto", views[0], True)
+    # Everything is sliced and listed first, so that the copies and kernels then run back to
+    # back: OpenMP's workers may fall asleep in a Python gap between two parallel ops.
+    work = []
     for b, positions, start, stop in layout.chunks(chunk_bytes):
-        if source is not None:
-            for old, new in zip(source, target, strict=True):
-                new[b][start:stop].copy_(old[b][start:stop])
+        copies = (
+            []
+            if source is None
+            else [(new[b][start:stop], old[b][start:stop]) for old, new in zip(source, target)]
+        )
         p, m, v, *rest = [[kind[j] for j in positions] for kind in views]
+        v_max = rest[0] if amsgrad else []
         g = [updates[j] for j in positions]
-        wd = layout.buckets[b].weight_decay
+        c = (
+            [counts[j] for j in positions]
+            if impl == "fused"
+            else [counts[j] - 1 for j in positions]
+        )
+        work.append((copies, p, g, m, v, v_max, c, layout.buckets[b].weight_decay))
+    for copies, p, g, m, v, v_max, c, wd in work:
+        for new_slice, old_slice in copies:
+            new_slice.copy_(old_slice)
         if impl == "fused":  # counts already incremented: call torch's kernel directly
             fused = torch._fused_adamw_ if wd != 0.0 else torch._fused_adam_
-            c = [counts[j] for j in positions]
-            fused(p, g, m, v, rest[0] if amsgrad else [], c, lr=lr, beta1=b1, beta2=b2,
-                  weight_decay=wd, eps=eps, amsgrad=amsgrad, maximize=False)  # fmt: skip
-        else:
-            c = [counts[j] - 1 for j in positions]  # the kernel increments them
-            v_max = rest[0] if amsgrad else []
+            fused(p, g, m, v, v_max, c, lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
+                  amsgrad=amsgrad, maximize=False)  # fmt: skip
+        else:  # the kernel increments its counts (copies of the old values)
             adam_impl(p, g, m, v, v_max, c, amsgrad, b1, b2, lr, wd, eps, False, wd != 0.0, impl)
     return target
