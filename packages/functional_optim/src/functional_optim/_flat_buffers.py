@@ -69,7 +69,6 @@ class Layout:
         self.shapes = [p.shape for p in params]
         self.dtypes = [p.dtype for p in params]
         self.devices = [p.device for p in params]
-        self.groups = groups_key(groups)
         buckets: list[_Bucket] = []
         self.bucket_of = [0] * len(params)
         self.byte_offset = [0] * len(params)
@@ -81,7 +80,7 @@ class Layout:
             for (device, dtype), by_shape in by_kind.items():
                 runs: list[_Run] = []
                 start = 0
-                size = torch.empty((), dtype=dtype).element_size()
+                size = dtype.itemsize
                 for shape, where in by_shape.items():
                     stop = start + len(where) * shape.numel()
                     runs.append(_Run(shape, where, start, stop))
@@ -122,7 +121,7 @@ class Layout:
             return cached
         out: list[tuple[int, list[int], int, int]] = []
         for b, bucket in enumerate(self.buckets):
-            size = torch.empty((), dtype=bucket.dtype).element_size()
+            size = bucket.dtype.itemsize
             positions: list[int] = []
             start = stop = 0
             for run in bucket.runs:
@@ -256,4 +255,5 @@ def eligible(params: Sequence[Tensor], grads: Sequence[Tensor], gather: bool) ->
 
 
 def groups_key(groups: Sequence[tuple[list[int], float]]) -> tuple[Any, ...]:
+    """``groups`` (positions, weight decay) as a hashable key."""
     return tuple((tuple(positions), wd) for positions, wd in groups)

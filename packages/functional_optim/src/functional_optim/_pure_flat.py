@@ -208,12 +208,12 @@ class FlatAdam:
                 compiled = self.mode == "compiled"
                 del updates  # the kernel reads the flat gradients, and writes over them
                 target = _out_of_place(pool, sources, hyper, lr, count + 1, compiled)
+                outputs = [pool.layout.views(kind) for kind in target]
             else:
-                target = _copy_then_fused(
+                outputs = _copy_then_fused(
                     pool, sources, updates, new_counts, hyper, lr, self.chunk_bytes
                 )
                 del updates
-            outputs = [pool.layout.views(kind) for kind in target]
         new_params, new_mu, new_nu, *rest = outputs
         new_state = state._replace(
             count=with_active_leaves(view, state.count, new_counts),
@@ -226,17 +226,17 @@ class FlatAdam:
 
 def _gathered_updates(pool: Pool, grads: list[Tensor], head: HeadFn | None) -> list[Tensor]:
     """The gradients copied into the pool's private flat buffers, the chain's head run over
-    them in place; returns the views (their values are the updates Adam takes)."""
-    layout = pool.layout
+    them in place. Returns their views (the updates Adam takes) when a head ran; else ``[]``
+    (the out-of-place kernel reads the flat buffers themselves)."""
     flat_grads = pool.gradient_buffers()
-    layout.gather(grads, flat_grads)
-    own = layout.views(flat_grads)
-    if head is not None:
-        updates = head(list(own))
-        moved = [j for j, (u, g) in enumerate(zip(updates, own, strict=True)) if u is not g]
-        if moved:
-            torch._foreach_copy_([own[j] for j in moved], [updates[j] for j in moved])
-        del updates
+    pool.layout.gather(grads, flat_grads)
+    if head is None:
+        return []
+    own = pool.layout.views(flat_grads)
+    updates = head(list(own))
+    moved = [j for j, (u, g) in enumerate(zip(updates, own, strict=True)) if u is not g]
+    if moved:
+        torch._foreach_copy_([own[j] for j in moved], [updates[j] for j in moved])
     return own
 
 
@@ -284,9 +284,10 @@ def _copy_then_fused(
     hyper: Any,
     lr: float,
     chunk_bytes: int,
-) -> Generation:
+) -> list[list[Tensor]]:
     """The old buffers copied into a free generation, a chunk at a time, and torch's kernel
     run in place on each chunk while it is in cache: ``tx.step``'s kernel and numbers.
+    Returns the generation's leaf views, one list per kind (the step's outputs).
 
     ``counts`` are the incremented counters (torch's fused kernel reads them as they are; the
     other paths increment clones of the old ones)."""
@@ -327,4 +328,4 @@ def _copy_then_fused(
                   amsgrad=amsgrad, maximize=False)  # fmt: skip
         else:  # the kernel increments its counts (copies of the old values)
             adam_impl(p, g, m, v, v_max, c, amsgrad, b1, b2, lr, wd, eps, False, wd != 0.0, impl)
-    return target
+    return views
