@@ -12,15 +12,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import optree
 import torch
 from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState, StepFn, apply_updates
 from functional_optim._fusion import view_step
-from functional_optim._lists import LeafView, ListTransform, by_device_dtype, pure_apply_all
+from functional_optim._lists import (
+    LeafView,
+    ListTransform,
+    _copy_state,
+    by_device_dtype,
+    pure_apply_all,
+)
 from functional_optim._transforms._leaf import is_traced
-from functional_optim._tree import NAMESPACE, PyTree, tree_clone, tree_flatten, tree_zeros_like
+from functional_optim._tree import PyTree, tree_clone, tree_flatten, tree_zeros_like
 
 #: dtypes torch's AMP finiteness check takes.
 _AMP_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -80,11 +85,6 @@ def all_finite_lists(tensors: list[Tensor], consumed: bool) -> Tensor:
 
 def _zeros(updates: PyTree) -> PyTree:
     return tree_zeros_like(updates)
-
-
-def _copied(state: OptState) -> OptState:
-    leaves, spec = optree.tree_flatten(state, none_is_leaf=True, namespace=NAMESPACE)
-    return spec.unflatten([x.clone() if isinstance(x, Tensor) else x for x in leaves])
 
 
 def _where_tree(pred: Tensor, a: PyTree, b: PyTree) -> PyTree:
@@ -201,7 +201,7 @@ def apply_if_finite(
             out, (inner_state,) = pure_apply_all((inner,), updates, (state.inner_state,), view)
         else:
             out = [torch.zeros_like(u) for u in updates]
-            inner_state = _copied(state.inner_state)
+            inner_state = _copy_state(state.inner_state)
         return out, ApplyIfFiniteState(count, finite, total, inner_state)
 
     fused: StepFn | None = step if inner.step is not None else None
