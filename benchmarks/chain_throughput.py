@@ -1,6 +1,7 @@
 """Benchmark: transform chains run in place and the pure path, against torch in the same run.
 
-10M float32 params (1M with ``--quick``) in 100 and in 1000 equal tensors; every fourth tensor
+10M float32 params (1M with ``--quick``) in 100 and in 1000 equal tensors, and in 1000 tensors of
+which one matrix holds 60% of the params (``1000 skewed``, an embedding); every fourth tensor
 is 1-D (a "bias": no weight decay in the masked rows). Each row pairs one of ours with torch's
 nearest equivalent; the pairs are timed in alternating rounds (one step each, rotating order)
 and the table gives medians and the ratio ours / torch.
@@ -63,10 +64,18 @@ HEADERS = ("chain", "tensors", "ours", "ours ms", "torch reference", "torch ms",
 Step = Callable[[], Any]
 
 
-def _make(total: int, n_tensors: int) -> tuple[list[Tensor], list[Tensor]]:
+#: The models: (tensors, skewed). Skewed: one matrix holds 60% of the params (an embedding),
+#: the other tensors share the rest equally.
+MODELS = ((100, False), (1000, False), (1000, True))
+
+
+def _make(total: int, n_tensors: int, skewed: bool = False) -> tuple[list[Tensor], list[Tensor]]:
     gen = torch.Generator().manual_seed(0)
-    size = total // n_tensors
+    big = total * 6 // 10 if skewed else 0
+    size = (total - big) // (n_tensors - 1 if skewed else n_tensors)
     shapes = [(size,) if i % 4 == 3 else (size // 100, 100) for i in range(n_tensors)]
+    if skewed:
+        shapes[0] = (big // 100, 100)
     params = [torch.randn(s, generator=gen) for s in shapes]
     grads = [torch.randn(s, generator=gen) * 1e-2 for s in shapes]
     return params, grads
@@ -315,15 +324,24 @@ def main(argv: list[str] | None = None) -> str:
     repeats = args.repeats or (5 if args.quick else 11)
     rows: list[list[object]] = []
     selected = [r for r in _rows() if args.only is None or r[0] in args.only.split(",")]
-    for n in (100, 1000):
-        params, grads = _make(total, n)
+    for n, skewed in MODELS:
+        params, grads = _make(total, n, skewed)
+        label = f"{n} skewed" if skewed else n
         for name, ours, build_ours, theirs, build_theirs in selected:
             steps = {"ours": build_ours(params, grads), "torch": build_theirs(params, grads)}
             with torch.no_grad():
                 ms = interleaved_median_ms(steps, args.warmup, repeats)
             ratio = ms["ours"] / ms["torch"]
             rows.append(
-                [name, n, ours, f"{ms['ours']:.2f}", theirs, f"{ms['torch']:.2f}", f"{ratio:.2f}"]
+                [
+                    name,
+                    label,
+                    ours,
+                    f"{ms['ours']:.2f}",
+                    theirs,
+                    f"{ms['torch']:.2f}",
+                    f"{ratio:.2f}",
+                ]
             )
             del steps
     lines = [
