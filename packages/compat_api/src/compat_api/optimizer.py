@@ -15,6 +15,7 @@ as torch. Differences, all in the direction of safety:
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, ClassVar
 
 import torch
@@ -24,6 +25,7 @@ from compat_api.utils import functional_optim_map
 from dist_runtime.rpc_optim import (
     RemoteOptimizer,
     create_remote_optimizers,
+    release_remote_optimizers,
     step_remote_optimizers,
 )
 
@@ -97,6 +99,10 @@ class DistributedOptimizer:
             optim_ctor, params_rref, self.is_functional_optim, args, kwargs
         )
         self.remote_optimizers: list[RRef[Any]] = [remote.rref for remote in self._remotes]
+        # The owners hold the local optimizers until this object is garbage-collected; not at
+        # interpreter exit (RPC is shut down by then, and the owners' registries with it).
+        release = weakref.finalize(self, release_remote_optimizers, list(self._remotes))
+        release.atexit = False
 
     def step(self, context_id: int) -> None:
         """Perform a single optimization step on every worker; block until all return.

@@ -15,8 +15,11 @@ for the device before reading gradients and finishes its kernels before answerin
 never observes a half-applied update.
 
 Steps are addressed by a small integer handle rather than by RRef: sending a UserRRef back to its
-owner costs extra fork/ack messages on every step. The RRef returned by
-:func:`create_remote_optimizers` still owns the local optimizer, which dies with it.
+owner costs extra fork/ack messages on every step. Each owner keeps its local optimizers in a
+registry by handle until the caller releases them (:func:`release_remote_optimizers`, which the
+``DistributedOptimizer`` calls when it is garbage-collected). The registry holds them itself:
+left to the RRef returned by :func:`create_remote_optimizers`, the local optimizer was freed
+before its first step with CUDA parameters and device maps (torch 2.11, H200).
 """
 
 from __future__ import annotations
@@ -66,9 +69,8 @@ _COMPILE_LOCK = threading.Lock()
 _SCRIPT_DEPRECATION = r"`torch\.jit\.script` is deprecated"
 
 _handles = itertools.count(1)
-_local_optimizers: weakref.WeakValueDictionary[int, _LocalOptimizerBase] = (
-    weakref.WeakValueDictionary()
-)
+_local_optimizers: dict[int, _LocalOptimizerBase] = {}
+_registry_lock = threading.Lock()
 
 
 class _StepStats:
@@ -272,9 +274,16 @@ def new_local_optimizer(
         local = ScriptLocalOptimizer(optim_cls, params, args, kwargs)
     else:
         local = LocalOptimizer(optim_cls, params, args, kwargs)
-    handle = next(_handles)
-    _local_optimizers[handle] = local
+    with _registry_lock:
+        handle = next(_handles)
+        _local_optimizers[handle] = local
     return rpc.RRef(local), handle
+
+
+def release_local_optimizer(handle: int) -> None:
+    """Drop this worker's local optimizer ``handle`` (runs on the owner via RPC; idempotent)."""
+    with _registry_lock:
+        _local_optimizers.pop(handle, None)
 
 
 def step_local_optimizer(handle: int, autograd_ctx_id: int) -> None:
@@ -283,7 +292,8 @@ def step_local_optimizer(handle: int, autograd_ctx_id: int) -> None:
     Raises:
         RuntimeError: if the local optimizer no longer exists on this worker.
     """
-    local = _local_optimizers.get(handle)
+    with _registry_lock:
+        local = _local_optimizers.get(handle)
     if local is None:
         raise RuntimeError(
             f"no local optimizer with handle {handle} on {rpc.get_worker_info().name}: its "
@@ -431,3 +441,15 @@ def step_remote_optimizers(remotes: Sequence[RemoteOptimizer], autograd_ctx_id: 
         for remote in remotes
     ]
     wait_all(futures, [remote.owner for remote in remotes], "the optimizer step")
+
+
+def release_remote_optimizers(remotes: Sequence[RemoteOptimizer]) -> None:
+    """Ask every owner to drop its local optimizer, without waiting (a garbage-collection hook).
+
+    Once RPC is shut down the owners' registries are gone with their processes: nothing to do.
+    """
+    for remote in remotes:
+        try:
+            rpc.rpc_async(remote.owner, release_local_optimizer, args=(remote.handle,))
+        except RuntimeError:  # RPC not initialised (any more) on this worker
+            return
