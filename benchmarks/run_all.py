@@ -9,8 +9,10 @@ figures are ratios against torch measured in the same process). This runner call
 gathers the tables under one header with the machine and versions, and draws a PNG of ratio vs
 model size for every table that has a size column. A module that sets ``TAKES_OUT_FOLDER = True``
 also gets ``--out <report folder>`` and may write its own charts there. A benchmark module that
-does not exist yet is reported as missing; one that raises is reported with its traceback and
-makes the runner exit with status 1 after the report is written.
+does not exist yet is reported as missing; one that raises (a failed check: a benchmark checks
+its results before it times them) is reported with its traceback, the report and the console
+output end with which check failed (file, line, code, message), and the runner exits with status
+1 after the report is written.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Outcome:
     seconds: float = 0.0
     markdown: str = ""
     error: str = ""
+    failure: str = ""  # a crash: where it raised and the message (see failure_summary)
     charts: list[Path] = field(default_factory=list)
 
 
@@ -233,6 +236,25 @@ def discover(directory: Path) -> list[str]:
     return [*BENCHMARKS, *(name for name in found if name not in BENCHMARKS)]
 
 
+def failure_summary(error: BaseException, directory: Path) -> str:
+    """Which check raised: ``file:line in function``, the code line, and the exception.
+
+    The place is the innermost frame in ``directory`` (the benchmark's own call of
+    ``assert_close``, say, rather than torch's internals), else the innermost frame.
+    """
+    folder = directory.resolve()
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = [frame for frame in frames if Path(frame.filename).resolve().is_relative_to(folder)]
+    lines = []
+    if frames:
+        frame = (ours or frames)[-1]
+        path = Path(frame.filename).resolve()
+        shown = path.relative_to(folder.parent) if ours else path
+        lines.append(f"{shown}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}")
+    message = "".join(traceback.format_exception_only(type(error), error)).rstrip()
+    return "\n".join([*lines, message])
+
+
 def run_benchmark(name: str, argv: list[str], folder: Path, directory: Path = HERE) -> Outcome:
     """Import ``directory/name.py`` and call its ``main(argv)``; never raises."""
     if not (directory / f"{name}.py").exists():
@@ -250,9 +272,10 @@ def run_benchmark(name: str, argv: list[str], folder: Path, directory: Path = HE
             raise TypeError(f"{name}.main() returned {type(markdown).__name__}, expected str")
     except KeyboardInterrupt:
         raise
-    except BaseException:  # SystemExit from a benchmark's argparse counts as a crash too
+    except BaseException as error:  # SystemExit from a benchmark's argparse counts as a crash too
         seconds = time.perf_counter() - start
-        return Outcome(name, "crashed", seconds, error=traceback.format_exc())
+        failure = failure_summary(error, directory)
+        return Outcome(name, "crashed", seconds, error=traceback.format_exc(), failure=failure)
     finally:
         sys.path.remove(str(directory))
     seconds = time.perf_counter() - start
@@ -296,8 +319,19 @@ def machine_info() -> list[tuple[str, str]]:
     ]
 
 
+def failed_checks(outcomes: Sequence[Outcome]) -> list[str]:
+    """The report's last section: each crashed benchmark and the check that raised; [] if none."""
+    crashed = [outcome for outcome in outcomes if outcome.status == "crashed"]
+    if not crashed:
+        return []
+    lines = ["## Failed checks", "", f"{len(crashed)} benchmark(s) raised; the run failed."]
+    for outcome in crashed:
+        lines += ["", f"### {outcome.name}", "", "```text", outcome.failure.rstrip(), "```"]
+    return lines
+
+
 def render_report(outcomes: Sequence[Outcome], quick: bool, folder: Path) -> str:
-    """The report: machine, a summary row per benchmark, then each benchmark's tables."""
+    """The report: machine, a summary row per benchmark, their tables, then any failed checks."""
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "# Benchmark report",
@@ -334,6 +368,9 @@ def render_report(outcomes: Sequence[Outcome], quick: bool, folder: Path) -> str
             lines += ["", f"![{outcome.name} ratio vs size]({chart.relative_to(folder)})"]
         if outcome.error:
             lines += ["", "```text", outcome.error.rstrip(), "```"]
+    failed = failed_checks(outcomes)
+    if failed:
+        lines += ["", *failed]
     return "\n".join(lines) + "\n"
 
 
@@ -368,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     crashed = [outcome for outcome in outcomes if outcome.status == "crashed"]
     for outcome in crashed:
         print(f"\nbenchmark {outcome.name} CRASHED:\n{outcome.error}", file=sys.stderr)
+    if crashed:  # last, where a reader of the console looks first
+        print("\n" + "\n".join(failed_checks(outcomes)), file=sys.stderr)
     return 1 if crashed else 0
 
 
