@@ -7,11 +7,13 @@ step in which rank 2 "dies" (skips it): the survivors' parameter sync times out.
 were before the failed step (same storage, so bucket and flat views stay valid); without it the
 error must say that they may be partially updated and how to resume. After the rollback, a
 ZeroRedundancyOptimizer rebuilt over a re-formed group (the hung rank back) redoes the step to
-the uninterrupted result.
+the uninterrupted result. The last check SIGKILLs rank 1: in a consolidation and in a step,
+every survivor must name rank 1 and only rank 1, however late its own collective fails.
 """
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -336,3 +338,59 @@ def test_overlap_failed_iteration_is_undone(world3: World, hook: str) -> None:
 def test_overlap_failure_without_undo_names_rank(world3: World) -> None:
     results = world3.run(_check_overlap_failure, "interleaved", False)
     assert all("may be partially updated" in str(text) for text in results[:DEAD])
+
+
+# -- a rank SIGKILLed: every survivor names it (keep last: the world loses rank 1) ----------------
+
+KILLED = 1
+#: The ZeroRedundancyOptimizers of the killed-rank checks, one per check, each over its own group
+#: (a failed group is not used again), built while every rank is alive.
+_BEFORE_KILL: dict[str, ZeroRedundancyOptimizer] = {}
+KILL_CHECKS: dict[str, dict[str, Any]] = {
+    "consolidate": {},
+    "consolidate_flat": {"partition": "flat"},
+    "step": {},
+    "step_flat": {"partition": "flat"},
+}
+
+
+def _build_before_kill(rank: int, world_size: int) -> bool:
+    torch.manual_seed(0)
+    for name, options in KILL_CHECKS.items():
+        params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+        dist.barrier()  # new_group's own barrier has the short timeout: arrive together
+        group = dist.new_group(list(range(world_size)), timeout=TIMEOUT)
+        zero = ZeroRedundancyOptimizer(
+            params, torch.optim.Adam, process_group=group, lr=0.1, **options
+        )
+        _set_grads(params, 1)
+        dist.barrier()
+        zero.step()  # the local optimizers hold state to consolidate
+        _set_grads(params, 2)
+        _BEFORE_KILL[name] = zero
+    dist.barrier()
+    return True
+
+
+def _survivor_report(rank: int, world_size: int, name: str) -> tuple[list[int] | None, str]:
+    zero = _BEFORE_KILL.pop(name)
+    call = (lambda: zero.consolidate_state_dict(to=0)) if "consolidate" in name else zero.step
+    with pytest.raises(CollectiveFailedError) as info:
+        call()
+    return info.value.failed_ranks, str(info.value)
+
+
+def test_killed_rank_is_named_by_every_survivor(world3: World) -> None:
+    """Rank 1 is SIGKILLed. Consolidating on rank 0: rank 0 fails on receiving from rank 1;
+    rank 2, whose send to rank 0 is never received, times out later and must still name rank
+    1 (not its receiver, rank 0). In a step, rank 0 fails at once (rank 1's socket closed) while
+    rank 2 waits on rank 0 until its timeout: rank 0 must name rank 1 only (rank 2 is alive: it
+    keeps beating while it waits), rank 2 too (rank 0 checked in before it)."""
+    assert world3.run(_build_before_kill) == [True] * 3
+    time.sleep(1.0)  # let rank 1 finish handing its result over before it dies
+    world3.kill(KILLED)
+    for name in KILL_CHECKS:
+        reports = world3.run_on([0, 2], _survivor_report, name, timeout_s=60)
+        for failed, text in reports:
+            assert failed == [KILLED], (name, text)
+            assert "rank 1 did not answer" in text, (name, text)

@@ -22,6 +22,7 @@ from dist_runtime.collective_failure import (
     CollectiveFailedError,
     collective_guard,
     is_collective_failure,
+    name_failed,
 )
 from dist_runtime.param_sync import ShardBroadcaster
 from dist_runtime.sharded_checkpoint import latest_checkpoint, save_optimizer_shards
@@ -102,6 +103,23 @@ def test_guard_converts_only_collective_failures() -> None:
     assert info.value.failed_ranks is None
     assert "Nothing changed." in str(info.value)
     assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_naming_after_a_check_in() -> None:
+    ranks = [0, 1, 2, 3]
+    # Only rank 1 is missing: named.
+    assert name_failed(ranks, {0: "", 2: "", 3: ""}) == [1]
+    # An early survivor: ranks 1 and 2 are missing, but rank 2 beats (alive, still blocked).
+    assert name_failed(ranks, {0: "", 3: ""}, beating=[2]) == [1]
+    # Every missing rank beats: a hung rank, not a dead one; all of them are suspects.
+    assert name_failed(ranks, {0: "", 3: ""}, beating=[1, 2]) == [1, 2]
+    # A receiver saw rank 2 fail; a sender that finished (rank 1) neither checked in nor
+    # beats: the direct report names rank 2 only.
+    assert name_failed(ranks, {0: "2", 3: ""}) == [2]
+    # A report about a rank that did check in (it came back) does not narrow.
+    assert name_failed(ranks, {0: "3", 3: ""}) == [1, 2]
+    # Everyone checked in: nobody to name (the message says it could not tell).
+    assert name_failed(ranks, dict.fromkeys(ranks, "")) == []
 
 
 def test_rollback_restores_params_state_and_groups_in_place() -> None:
@@ -316,6 +334,48 @@ def test_failed_sharded_save_is_not_committed(world3: World, tmp_path: Any) -> N
     assert world3.run(_check_sharded_save, str(tmp_path)) == [True] * 3
     assert sorted(os.listdir(tmp_path)) == ["LATEST", "ckpt-000000", "ckpt-000001"]
     assert not os.path.exists(tmp_path / "ckpt-000001" / ".metadata")
+
+
+def _heartbeat_counts(rank: int, world_size: int) -> list[int] | None:
+    """Rank 1 sits in a guarded block (as in a collective), then outside one; rank 0 reads its
+    heartbeat counter at the start and end of each phase (the barriers order the reads)."""
+    import time
+
+    from dist_runtime.collective_failure import HEARTBEAT_S
+
+    store = dist.distributed_c10d._get_default_store()
+    key = "distopt/heartbeat/1"
+    seconds = 6 * HEARTBEAT_S
+    dist.barrier()
+    if rank == 1:
+        with collective_guard("blocked"):
+            time.sleep(seconds)
+            dist.barrier()  # rank 0 reads while this rank is still in the block
+        dist.barrier()
+        time.sleep(seconds)
+        dist.barrier()
+        return None
+    if rank != 0:
+        for _ in range(3):
+            dist.barrier()
+        return None
+    counts = [int(store.add(key, 0))]
+    dist.barrier()
+    counts.append(int(store.add(key, 0)))
+    dist.barrier()
+    counts.append(int(store.add(key, 0)))
+    time.sleep(seconds)
+    counts.append(int(store.add(key, 0)))
+    dist.barrier()
+    return counts
+
+
+def test_heartbeat_only_inside_a_guarded_block(world3: World) -> None:
+    counts = world3.run(_heartbeat_counts)[0]
+    assert counts is not None
+    in_block, outside = counts[1] - counts[0], counts[3] - counts[2]
+    assert in_block >= 2, counts  # alive and blocked: beating
+    assert outside <= 1, counts  # idle: no store traffic (but a beat sent as the block ended)
 
 
 # -- a peer that is really dead (keep last: the world loses rank 2) -----------------------------

@@ -181,7 +181,8 @@ def consolidate_piece_states(
     group, world_size, rank = receiver_group(process_group, to)
     with collective_guard("streaming consolidation", group, kept=KEPT) as guard:
         if rank != to:
-            guard.peer = global_rank(group, to)
+            # No guard.peer: a failed send does not mean the receiver failed (it may have
+            # given up on another sender); the check-in finds out.
             _send_shard(optimizer, pieces, to, group, device)
             return None
         joiner = PieceJoiner()
