@@ -8,6 +8,10 @@ compressed all-reduce. A sync computes the pseudo-gradient ``s - x`` from the lo
 runs the outer optimizer on ``s`` with that mean as the gradient and writes the result into the
 parameters, blended with the local values by ``alpha`` (Streaming DiLoCo's merge;
 ``alpha = 0`` overwrites them, as DiLoCo does).
+
+A mean whose collective fails (a dead or hung peer) is dropped (:meth:`OuterSync.drop_failed`):
+its fragment keeps its synced copy, outer state and error feedback as before the send, and is
+sent again at its next slot (or by a retry of the same step).
 """
 
 from __future__ import annotations
@@ -138,6 +142,34 @@ class OuterSync:
             delta, fragment.residual, key=index
         )
         fragment.apply_at = apply_at
+
+    def wait(self, index: int) -> None:
+        """Wait for fragment ``index``'s mean (kept for :meth:`apply`); nothing else changes.
+
+        Raises:
+            RuntimeError: if its collective failed (then :meth:`drop_failed`).
+        """
+        pending = self.fragments[index].pending
+        assert pending is not None
+        pending.wait()
+
+    def drop_failed(self) -> list[int]:
+        """Let every collective in flight end; drop the means whose collective failed.
+
+        A dropped fragment is as before its send (error feedback restored, nothing pending):
+        it is sent again at its next slot. Means that arrived are kept for :meth:`apply`.
+
+        Returns:
+            The dropped fragments.
+        """
+        dropped = []
+        for index, fragment in enumerate(self.fragments):
+            pending = fragment.pending
+            if pending is not None and not pending.settle():
+                pending.discard()
+                fragment.pending, fragment.apply_at = None, None
+                dropped.append(index)
+        return dropped
 
     def due(self, step: int) -> list[int]:
         """The fragments whose outer step is due at averager step ``step``."""

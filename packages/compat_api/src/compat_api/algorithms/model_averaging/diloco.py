@@ -31,9 +31,10 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 import functional_optim as fo
-from compat_api.algorithms.model_averaging.averagers import ModelAverager
+from compat_api.algorithms.model_averaging.averagers import ModelAverager, _member_group
 from dist_runtime.averaging import EMPTY_PARAMS_MESSAGE, FlatParameterCache, params_to_average
 from dist_runtime.averaging import average_parameters as average_flat
+from dist_runtime.collective_failure import collective_guard, is_collective_failure
 from dist_runtime.fragment_plan import (
     check_fragment_count,
     check_outer_args,
@@ -49,6 +50,13 @@ from dist_runtime.replica_check import replicas_identical
 __all__ = ["DiLoCoAverager", "HierarchicalDiLoCoAverager", "default_outer", "slowmo_averager"]
 
 Params = Iterable[torch.nn.Parameter] | Iterable[dict[str, torch.nn.Parameter]]
+
+#: What a failed sync leaves (the promise of ``CollectiveFailedError``).
+_KEPT = (
+    "The parameters and the averager's step, synced copies, outer-optimizer state and error "
+    "feedback are as they were before the call, except that a mean whose all-reduce failed "
+    "is dropped (its fragment is sent again at its next slot); state_dict() works."
+)
 
 
 def default_outer() -> fo.GradientTransformation:
@@ -102,9 +110,18 @@ class DiLoCoAverager(ModelAverager):
             replicas are identical, and averages them when they are not). Later calls must
             pass these parameters, all with a gradient.
 
+    A sync whose collective fails (a dead or hung peer) raises
+    :class:`~dist_runtime.collective_failure.CollectiveFailedError` naming the failed rank(s),
+    having applied nothing; the means whose all-reduce failed are dropped, so
+    :meth:`state_dict` still works. To go on in process, re-form the group and set
+    :attr:`process_group` to it, then repeat the call (``PostLocalSGDOptimizer.step()`` undoes
+    its local step first, so its retry is the same step).
+
     Attributes:
         step: calls so far (as torch's averagers).
         bytes_communicated: payload bytes this rank handed to collectives so far.
+        process_group: the group averaged over; assign a re-formed group to go on after a
+            failure (later syncs use it; this rank must be a member).
 
     Raises:
         ValueError: for ``period < 1``, a negative ``warmup_steps``, ``fragments < 1``, an
@@ -190,6 +207,24 @@ class DiLoCoAverager(ModelAverager):
         )
 
     @property
+    def process_group(self) -> ProcessGroup:
+        """The group averaged over."""
+        return self._process_group
+
+    @process_group.setter
+    def process_group(self, process_group: ProcessGroup | None) -> None:
+        """Average over ``process_group`` from the next sync on (e.g. a re-formed group).
+
+        Raises:
+            ValueError: if this rank is not a member (nothing changes).
+        """
+        group = _member_group(process_group)
+        self._process_group = group
+        reducer: PseudoGradientReducer | None = getattr(self, "_reducer", None)
+        if reducer is not None:
+            reducer.set_group(group)
+
+    @property
     def bytes_communicated(self) -> int:
         """Cumulative payload bytes this rank handed to collectives (initial average included)."""
         return self._setup_bytes + self._reducer.bytes_sent
@@ -239,6 +274,8 @@ class DiLoCoAverager(ModelAverager):
             ValueError: if no parameter has a gradient, or there are more fragments than
                 parameters (at the first sync).
             RuntimeError: if the parameters changed since the first sync.
+            CollectiveFailedError: if a collective failed (a dead or hung peer), naming it;
+                nothing was applied and ``step`` is unchanged (see the class docstring).
         """
         since = self.step - self.warmup_steps
         if since >= 0:
@@ -250,16 +287,35 @@ class DiLoCoAverager(ModelAverager):
         self.step += 1
 
     def _sync_step(self, since: int, params: list[torch.Tensor]) -> None:
-        if self._sync is None and self._build(params):
-            return
-        sync = self._sync
-        assert sync is not None
-        sync.check_params(params)
-        for index in sync.due(self.step):
+        """Wait for every mean this step needs, then apply them (nothing applied on failure).
+
+        The fragments are disjoint and a fragment is never applied and sent at the same step,
+        so sending before applying gives what applying first gives.
+        """
+        with collective_guard("DiLoCoAverager.average_parameters", self.process_group, _KEPT):
+            if self._sync is None and self._build(params):
+                return
+            sync = self._sync
+            assert sync is not None
+            sync.check_params(params)
+            due = sync.due(self.step)
+            sends = due_fragments(since, self.period, self._offsets)
+            try:
+                for index in due:
+                    sync.wait(index)
+                for index in sends:
+                    sync.send(index, params, apply_at=self.step + self.delay)
+                if self.delay == 0:
+                    for index in sends:
+                        sync.wait(index)
+            except BaseException as exc:
+                if is_collective_failure(exc):
+                    sync.drop_failed()
+                raise
+        for index in due:
             sync.apply(index, params, self.alpha)
-        for index in due_fragments(since, self.period, self._offsets):
-            sync.send(index, params, apply_at=self.step + self.delay)
-            if self.delay == 0:
+        if self.delay == 0:
+            for index in sends:
                 sync.apply(index, params, self.alpha)
 
     def state_dict(self) -> dict[str, Any]:
@@ -270,9 +326,21 @@ class DiLoCoAverager(ModelAverager):
 
         Returns:
             A dict of tensors, numbers and lists (``torch.save``-able with ``weights_only``).
+
+        Raises:
+            CollectiveFailedError: if an all-reduce in flight failed (it is dropped: the next
+                call returns the state without it).
         """
         if self._sync is not None:
-            sync_state: list[dict[str, Any]] | None = self._sync.state_dict()
+            sync = self._sync
+            with collective_guard("DiLoCoAverager.state_dict", self.process_group, _KEPT):
+                try:
+                    sync.wait_all()
+                except BaseException as exc:
+                    if is_collective_failure(exc):
+                        sync.drop_failed()
+                    raise
+            sync_state: list[dict[str, Any]] | None = sync.state_dict()
         else:
             sync_state = self._saved_sync
         return {
@@ -302,7 +370,7 @@ class DiLoCoAverager(ModelAverager):
                     f"{key}={getattr(self, key)!r}: build it with the same arguments"
                 )
         if self._sync is not None:
-            self._sync.wait_all()
+            self._sync.drop_failed()  # nothing may be left in flight; failures do not matter
         self.step = int(state_dict["step"])
         self._sync = None
         self._saved_sync = state_dict["sync"]
