@@ -37,6 +37,7 @@ from compat_api._zero.validation import (
     check_optimizer_class,
     check_param_group,
     check_same_dense_type,
+    check_saved_groups,
     flatten_params,
 )
 from dist_runtime.process_group import group_rank, group_size, resolve_group
@@ -342,7 +343,8 @@ class ZeroRedundancyOptimizer(TorchPrivateAPI, ShardedExtensions, Optimizer, Joi
 
         Raises:
             ValueError: if the groups or their sizes do not match (``torch.optim`` messages),
-                before anything is loaded.
+                or the groups were saved by another optimizer (they lack hyperparameters of
+                the local optimizer, e.g. SGD's state dict for Adam), before anything is loaded.
             IndexError: if the state names a parameter index that does not exist (before
                 anything is loaded).
         """
@@ -357,6 +359,7 @@ class ZeroRedundancyOptimizer(TorchPrivateAPI, ShardedExtensions, Optimizer, Joi
                 "loaded state dict contains a parameter group that doesn't match the size of "
                 "optimizer's group"
             )
+        check_saved_groups(saved_groups, self.optim)
         kept = self.strategy.load_state_dict(self, state_dict)
         super().load_state_dict({**state_dict, "state": kept})
         sync_param_groups(saved_groups, self.param_groups)

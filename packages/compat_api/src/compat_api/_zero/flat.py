@@ -23,6 +23,7 @@ import torch
 
 from compat_api._zero.layout import sync_param_groups
 from compat_api._zero.strategy import ZeroContext, ZeroStrategy
+from compat_api._zero.validation import refuse_sparse_grads
 from dist_runtime.flat_grad_exchange import GradExchange
 from dist_runtime.flat_shards import FlatShards
 from dist_runtime.param_sync import Waitable
@@ -79,7 +80,19 @@ class FlatStrategy(ZeroStrategy):
 
         With :attr:`reduce_grads` the exchange started by the hook is completed; if it did not
         cover the shards (every rank alike) the local gradients are reduce-scattered now.
+
+        Raises:
+            RuntimeError: for a sparse gradient (the pieces are views of flat buffers; see
+                :func:`~compat_api._zero.validation.refuse_sparse_grads`), before anything
+                changes.
         """
+        refuse_sparse_grads(
+            self.shards.params,
+            zero._optim_constructor,
+            zero._optim_defaults,
+            "partition='flat'",
+            "partition='sorted_greedy'",
+        )
         if not self.reduce_grads:
             self.shards.attach_local_grads()
         elif not self._reduced:

@@ -29,7 +29,7 @@ import torch
 from torch.optim import Optimizer
 
 from compat_api._zero.layout import ShardLayout, sync_param_groups
-from compat_api._zero.validation import check_local_optimizer
+from compat_api._zero.validation import check_local_optimizer, refuse_sparse_grads
 from dist_runtime.buckets import build_rank_buckets
 from dist_runtime.param_sync import ShardBroadcaster, Waitable, broadcast_buckets
 from dist_runtime.piece_state import Piece
@@ -204,6 +204,8 @@ class ZeroStrategy(abc.ABC):
         Raises:
             IndexError: if the state names a parameter index that does not exist (before
                 anything is loaded).
+            Exception: whatever the local optimizer's ``load_state_dict`` raises; its state
+                and param groups are then as they were.
         """
         local, kept = split_global_state(
             state_dict["state"],
@@ -211,7 +213,15 @@ class ZeroStrategy(abc.ABC):
             zero._layout.param_to_rank,
             zero.rank,
         )
-        self.load_local_state(zero, local, state_dict["param_groups"])
+        # torch's load_state_dict rebinds `state` and `param_groups` before it can fail
+        # (Adam.__setstate__'s KeyError: 'step'): put the old bindings back if it does.
+        bindings = dict(vars(zero.optim))
+        try:
+            self.load_local_state(zero, local, state_dict["param_groups"])
+        except Exception:
+            vars(zero.optim).clear()
+            vars(zero.optim).update(bindings)
+            raise
         return kept
 
 
@@ -291,6 +301,39 @@ class BucketViewStrategy(PerParameterStrategy):
 
     def trainable_changed(self, zero: ZeroContext) -> None:
         self.rebuild(zero)
+
+    def local_step(
+        self, zero: ZeroContext, closure: Callable[[], float] | None, kwargs: dict[str, Any]
+    ) -> Any:
+        """The local step, refusing sparse gradients (the parameters are bucket views).
+
+        Raises:
+            RuntimeError: for a sparse gradient (see
+                :func:`~compat_api._zero.validation.refuse_sparse_grads`), before anything
+                changes; a closure's gradients are checked when it returns.
+        """
+        params = [p for group in zero.optim.param_groups for p in group["params"]]
+
+        def check() -> None:
+            refuse_sparse_grads(
+                params,
+                zero._optim_constructor,
+                zero._optim_defaults,
+                "parameters_as_bucket_view=True",
+                "parameters_as_bucket_view=False",
+            )
+
+        if closure is None:
+            check()
+            return super().local_step(zero, None, kwargs)
+        user_closure = closure
+
+        def checked_closure() -> float:
+            loss = user_closure()
+            check()
+            return loss
+
+        return super().local_step(zero, checked_closure, kwargs)
 
     def broadcast_from(self, zero: ZeroContext, rank: int) -> list[Waitable]:
         return broadcast_buckets(self.buckets, zero.process_group, src=rank)

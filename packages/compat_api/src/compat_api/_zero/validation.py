@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,8 +21,10 @@ __all__ = [
     "check_optimizer_class",
     "check_param_group",
     "check_same_dense_type",
+    "check_saved_groups",
     "flatten_params",
     "iter_group_params",
+    "refuse_sparse_grads",
 ]
 
 
@@ -216,3 +218,97 @@ def iter_group_params(param_groups: Iterable[dict[str, Any]]) -> Iterable[torch.
     """All parameters of ``param_groups`` in order."""
     for group in param_groups:
         yield from group["params"]
+
+
+def check_saved_groups(saved_groups: Sequence[Mapping[str, Any]], optim: Any) -> None:
+    """Refuse param groups saved by another optimizer than ``optim``, before anything loads.
+
+    A group of ``optim``'s class holds every hyperparameter of its ``defaults``; torch fills in
+    only the flags (``True``/``False``/``None``: ``fused``, ``capturable``, ...) that newer
+    versions added. A saved group without one of the others (``betas`` for Adam, ``momentum``
+    for SGD) comes from another optimizer: ``torch.optim``'s own ``load_state_dict`` would fail
+    half-way (``KeyError: 'step'``) or leave a state that breaks the next ``step()``.
+
+    Args:
+        saved_groups: ``state_dict["param_groups"]`` of the state dict to load.
+        optim: the local optimizer (a functional one, with ``overlap_with_ddp``, is not checked).
+
+    Raises:
+        ValueError: naming the missing hyperparameters and the saved group's own.
+    """
+    defaults = getattr(optim, "defaults", None)
+    if not isinstance(optim, Optimizer) or not isinstance(defaults, Mapping):
+        return
+    required = sorted(k for k, v in defaults.items() if v is not None and not isinstance(v, bool))
+    name = type(optim).__name__
+    for index, group in enumerate(saved_groups):
+        missing = [key for key in required if key not in group]
+        if missing:
+            theirs = sorted(k for k in group if k != "params" and k not in defaults)
+            raise ValueError(
+                f"loaded state dict's parameter group {index} has no {missing}: it was saved "
+                f"by another optimizer than this ZeroRedundancyOptimizer's {name} (the group "
+                f"holds {theirs or 'none of its own'} instead). Load a state dict saved with "
+                f"{name}, or build the ZeroRedundancyOptimizer with the optimizer class that "
+                "saved it. Nothing was loaded."
+            )
+
+
+def _local_sparse_error(
+    constructor: Callable[..., Any], defaults: Mapping[str, Any], like: torch.Tensor
+) -> Exception | None:
+    """The error the local optimizer class raises for a sparse gradient, if it raises one.
+
+    Steps a throwaway optimizer of the same class and options over a one-element parameter of
+    its own (not a view: nothing is shared with the real parameters).
+    """
+    probe = torch.zeros(1, dtype=like.dtype, device=like.device, requires_grad=True)
+    probe.grad = torch.sparse_coo_tensor(
+        torch.zeros(1, 1, dtype=torch.long, device=like.device),
+        torch.zeros(1, dtype=like.dtype, device=like.device),
+        (1,),
+    )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            constructor([{"params": [probe]}], **defaults).step()
+    except Exception as exc:  # the class's own refusal, or a failure unrelated to sparsity
+        return exc if "sparse" in str(exc).lower() else None
+    return None
+
+
+def refuse_sparse_grads(
+    params: Iterable[torch.Tensor],
+    constructor: Callable[..., Any],
+    defaults: Mapping[str, Any],
+    mode: str,
+    instead: str,
+) -> None:
+    """Refuse sparse gradients before a step whose parameters are views of flat buffers.
+
+    torch's in-place ``dense.add_(sparse)`` (what SGD, Adagrad... do with sparse gradients)
+    writes outside a dense tensor that starts at an offset of its storage (torch 2.13, CPU),
+    as the parameters of the bucket-view and flat modes do: the step would corrupt memory.
+
+    Args:
+        params: the parameters whose gradients the step reads.
+        constructor: the local optimizer's constructor (``optimizer_class``).
+        defaults: its options.
+        mode: the ZeroRedundancyOptimizer option, for the message.
+        instead: what to use instead, for the message.
+
+    Raises:
+        RuntimeError: the local optimizer class's own error when it refuses sparse gradients
+            (torch's ``Adam does not support sparse gradients, please consider SparseAdam
+            instead``), else one in the same style naming ``mode``. Nothing was changed.
+    """
+    sparse = next((p for p in params if p.grad is not None and p.grad.is_sparse), None)
+    if sparse is None:
+        return
+    error = _local_sparse_error(constructor, defaults, sparse)
+    if error is not None:
+        raise error.with_traceback(None)
+    raise RuntimeError(
+        f"ZeroRedundancyOptimizer with {mode} does not support sparse gradients, please "
+        f"consider {instead} instead"
+    )
