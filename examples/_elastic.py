@@ -14,7 +14,9 @@ group of whatever size is left. This module makes such a restart lose no committ
   parameters) once, the optimizer sharded (ZeRO: every rank writes its shard in parallel,
   resharded on load), per-rank values (RNG state, local-SGD replicas) under the rank's name.
   A rank that did not exist when the checkpoint was written takes the values of rank
-  ``rank % saved_world_size`` and a fresh RNG seeded by ``(seed, step, rank)``.
+  ``rank % saved_world_size`` and a fresh RNG seeded by ``(seed, step, rank)``. Every read
+  goes through :mod:`dist_runtime.safe_load` (DCP's ``.metadata`` with an allow-list, entries
+  as plain data): a checkpoint that carries code is refused before any of it runs.
 - :class:`StopRequest` turns SIGTERM (torchrun stopping its workers because a node joined, or
   a preemption notice forwarded by torchrun) into a checkpoint at the end of the current step:
   the ranks agree on stopping with a one-element all-reduce after every step.
@@ -40,12 +42,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from _common import Stepper
+from dist_runtime.safe_load import SafeFileSystemReader, SafeLoadPlanner, unwrap_unsafe
 from dist_runtime.sharded_checkpoint import (
     commit_checkpoint,
     latest_checkpoint,
@@ -235,10 +238,37 @@ def rank_key(name: str, rank: int) -> str:
     return f"rank.{rank}.{name}"
 
 
+def _safe_load(request: dict[str, Any], folder: str, no_dist: bool = False) -> None:
+    """DCP's load through the safe reader and planner: nothing pickled in the checkpoint runs.
+
+    Raises:
+        UnsafeCheckpointError: if the checkpoint holds anything but plain data.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            dcp_load(
+                request,
+                storage_reader=SafeFileSystemReader(folder),
+                planner=SafeLoadPlanner(),
+                no_dist=no_dist,
+            )
+        except BaseException as exc:  # DCP wraps errors in CheckpointException
+            unsafe = unwrap_unsafe(exc)
+            if unsafe is not None:
+                raise unsafe from exc
+            raise
+
+
 def saved_keys(folder: str) -> dict[str, TensorStorageMetadata]:
     """The tensor entries of a checkpoint folder: saved values (``extra.`` prefix removed) and
-    the optimizer's ``state.<index>.<name>`` entries."""
-    metadata = FileSystemReader(folder).read_metadata().state_dict_metadata
+    the optimizer's ``state.<index>.<name>`` entries.
+
+    Raises:
+        UnsafeCheckpointError: if the checkpoint's ``.metadata`` references anything but DCP's
+            metadata types (read with :class:`~dist_runtime.safe_load.SafeFileSystemReader`).
+    """
+    metadata = SafeFileSystemReader(folder).read_metadata().state_dict_metadata
     return {
         key.removeprefix(_EXTRA): md
         for key, md in metadata.items()
@@ -252,18 +282,23 @@ def read_checkpoint_tensors(folder: str, names: list[str] | None = None) -> dict
     Args:
         folder: a committed checkpoint folder.
         names: the entries to read (default: all, optimizer state included).
+
+    Raises:
+        UnsafeCheckpointError: if the checkpoint holds anything but plain data.
     """
-    metadata = FileSystemReader(folder).read_metadata().state_dict_metadata
+    metadata = SafeFileSystemReader(folder).read_metadata().state_dict_metadata
     full = {key.removeprefix(_EXTRA): key for key in metadata}
-    saved = saved_keys(folder)
+    saved = {
+        key.removeprefix(_EXTRA): md
+        for key, md in metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
     wanted = list(saved) if names is None else names
     request = {
         full[name]: torch.empty(tuple(saved[name].size), dtype=saved[name].properties.dtype)
         for name in wanted
     }
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp_load(request, storage_reader=FileSystemReader(folder), no_dist=True)
+    _safe_load(request, folder, no_dist=True)
     return {name: request[full[name]] for name in wanted}
 
 
@@ -339,6 +374,10 @@ class ElasticCheckpoint:
 
         Returns:
             The cursor to go on from (step 0 without checkpoint) and the folder loaded.
+
+        Raises:
+            UnsafeCheckpointError: if the checkpoint holds anything but plain data (every read
+                goes through :mod:`dist_runtime.safe_load`: nothing in it runs).
         """
         folder = latest_checkpoint(self.root)
         if folder is None:
@@ -364,10 +403,7 @@ class ElasticCheckpoint:
         if self.zero is not None:
             self.zero.load_sharded(folder, extra=targets)
         else:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                request = {_EXTRA + key: value for key, value in targets.items()}
-                dcp_load(request, storage_reader=FileSystemReader(folder))
+            _safe_load({_EXTRA + key: value for key, value in targets.items()}, folder)
         if rank < saved_world:
             torch.set_rng_state(targets[rng_key])
         else:

@@ -123,3 +123,95 @@ def test_dcp_metadata_carrying_code_is_refused(tmp_path: Path) -> None:
     with open(os.path.join(folder, ".metadata"), "rb") as f:
         pickle.load(f)
     assert RAN == ["metadata"]
+
+
+# -- the examples' elastic resume reads checkpoints through the same safe loaders ----------------
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _touch(path: str) -> None:
+    """What a malicious checkpoint would run in a worker process: leave a file behind."""
+    Path(path).write_text("ran")
+
+
+class EvilFile:
+    """An object whose unpickling calls :func:`_touch` (visible across processes)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (_touch, (self.path,))
+
+
+def _commit_evil_metadata(root: Path, marker: Path) -> str:
+    """A committed checkpoint under ``root`` whose DCP ``.metadata`` runs :func:`_touch`."""
+    folder = root / "ckpt-000000"
+    folder.mkdir(parents=True)
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(EvilFile(str(marker)), f)
+    (root / "LATEST").write_text("ckpt-000000")
+    return str(folder)
+
+
+def test_example_checkpoint_readers_refuse_code_in_metadata(tmp_path: Path) -> None:
+    import sys
+
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from _elastic import read_checkpoint_tensors, saved_keys
+        from _nested_state import saved_like
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    marker = tmp_path / "ran"
+    folder = _commit_evil_metadata(tmp_path / "root", marker)
+    for read in (saved_keys, read_checkpoint_tensors):
+        with pytest.raises(UnsafeCheckpointError, match=r"references tests\..*_touch"):
+            read(folder)
+    with pytest.raises(UnsafeCheckpointError, match="refusing to load"):
+        saved_like(str(tmp_path / "root"), "inner.")
+    assert not marker.exists(), "code from the checkpoint's .metadata ran"
+
+
+def _resume_example(rank: int, world_size: int, example: str, root: str, marker: str) -> str:
+    """Start ``example``'s elastic mode on ``root`` (holding a malicious checkpoint)."""
+    import signal
+    import sys
+
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    from _common import TrainConfig
+    from _elastic import ElasticOptions
+
+    cfg = TrainConfig(epochs=1, batch_size=32, lr=1e-3, hidden=8, seed=0, max_steps=2, timeout_s=60)
+    options = ElasticOptions(root, 10, 1.0, 0.0)
+    import train_diloco
+    import train_zero
+
+    runs = {
+        "train_zero": lambda: train_zero.run_zero_elastic(cfg, options),
+        "train_diloco": lambda: train_diloco.run_diloco_elastic(cfg, 1, 4, 2, "streaming", options),
+    }
+    previous = signal.getsignal(signal.SIGTERM)  # the run installs its own SIGTERM handler
+    try:
+        with pytest.raises(UnsafeCheckpointError) as info:
+            runs[example]()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert not Path(marker).exists(), f"{example}: code from the checkpoint ran on resume"
+    return str(info.value)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("example", ["train_zero", "train_diloco"])
+def test_example_resume_refuses_code_in_metadata(example: str, tmp_path: Path) -> None:
+    """The ``--checkpoint-dir`` resume of the examples reads ``.metadata`` with the safe reader."""
+    from tests._world import World
+
+    marker = tmp_path / "ran"
+    _commit_evil_metadata(tmp_path / "root", marker)
+    with World(1) as world:
+        (text,) = world.run(_resume_example, example, str(tmp_path / "root"), str(marker))
+    assert "trusted storage" in text
+    assert not marker.exists()
