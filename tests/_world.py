@@ -18,6 +18,7 @@ process-group timeout, every task a wall-clock timeout, and closing the world ki
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import socket
@@ -131,7 +132,9 @@ class World:
         start_timeout_s: float = 120.0,
     ) -> None:
         self.world_size = world_size
-        self._results = _CTX.Queue()
+        # One results queue per rank: a queue's writers share a lock, which a rank SIGKILLed
+        # while its feeder thread writes would hold forever, silencing every other rank.
+        self._results = [_CTX.Queue() for _ in range(world_size)]
         self._tasks = [_CTX.Queue() for _ in range(world_size)]
         self._broken = False
         pg_port, rpc_port = free_port(), free_port()
@@ -148,7 +151,7 @@ class World:
                     backend,
                     collective_timeout_s,
                     self._tasks[rank],
-                    self._results,
+                    self._results[rank],
                 ),
                 daemon=True,
             )
@@ -175,24 +178,36 @@ class World:
                     f"ranks {missing} did not answer within {timeout_s:.0f} s"
                     + (f"; errors so far: {errors}" if errors else "")
                 )
-            try:
-                rank, status, value = self._results.get(timeout=min(deadline_left, 1.0))
-            except queue.Empty:
+            pending = [r for r in ranks if r not in values and r not in errors]
+            received = self._poll(pending, min(deadline_left, 1.0))
+            if not received:
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-                pending = set(ranks) - set(values) - set(errors)
-                if dead and pending & set(dead):
+                if dead and set(pending) & set(dead):
                     self._broken = True
-                    died = sorted(pending & set(dead))
+                    died = sorted(set(pending) & set(dead))
                     raise WorldError(f"ranks {died} died; errors: {errors}") from None
                 continue
-            if status == "error":
-                errors[rank] = value
-            elif status == expected:
-                values[rank] = value
+            for rank, status, value in received:
+                if status == "error":
+                    errors[rank] = value
+                elif status == expected:
+                    values[rank] = value
         if errors:
             body = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
             raise WorldError(f"{len(errors)} rank(s) failed:\n{body}")
         return [values[r] for r in ranks]
+
+    def _poll(self, ranks: Sequence[int], timeout_s: float) -> list[tuple[int, str, Any]]:
+        """The messages waiting from ``ranks``, waiting up to ``timeout_s`` for the first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            received = []
+            for rank in ranks:
+                with contextlib.suppress(queue.Empty):
+                    received.append(self._results[rank].get_nowait())
+            if received or time.monotonic() >= deadline:
+                return received
+            time.sleep(0.005)
 
     def run(
         self,
