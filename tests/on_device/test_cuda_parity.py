@@ -130,7 +130,7 @@ def test_functional_path_bitwise_equals_torch(name: str, impl: str, dtype: torch
     # torch's fused SGD fails when only some momentum buffers exist: no None grads there.
     params, grads = _inputs(name, dtype, none_every=0 if impl == "fused" else 3)
     flags = {} if name == "muon" else TORCH_FLAGS[impl]
-    compared = 0
+    compared = refused = 0
     for combo in entry.combos():
         kw = _functional_kwargs(algorithm.functional, entry.torch_cls, combo)  # type: ignore[arg-type]
         if (
@@ -145,20 +145,27 @@ def test_functional_path_bitwise_equals_torch(name: str, impl: str, dtype: torch
         )
         assert ours[0] == theirs[0], f"{combo}: ours {ours}, torch {theirs}"
         if ours[0] == "refused":
+            assert ours == theirs, f"{combo}: ours {ours}, torch {theirs}"
+            refused += 1
             continue
         (p_ours, s_ours), (p_torch, s_torch) = ours[1], theirs[1]
         assert_tensors_equal(p_ours, p_torch, what=f"{name} {impl} {combo} params")
         assert_states_equal(s_ours, s_torch)
         compared += 1
-    assert compared > 0, "no configuration ran on both sides"
+    # torch's fused Adagrad is CPU-only: on CUDA both sides refuse every configuration.
+    assert compared > 0 or refused > 0, "no configuration ran"
 
 
 ALIASES = [a.name for a in ALGORITHMS if a.name not in ("lbfgs", "sparse_adam")]
 
 
+#: torch's fused kernel of these runs on the CPU only.
+FUSED_CPU_ONLY = frozenset({"adagrad"})
+
+
 def _alias_step_path(name: str) -> dict[str, bool]:
     entry = BY_NAME[name]
-    if entry.has_fused:
+    if entry.has_fused and (DEVICE.type == "cpu" or name not in FUSED_CPU_ONLY):
         return {"fused": True}
     if entry.single_path_only or DEVICE.type == "cpu":
         return entry.loop
