@@ -13,8 +13,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from functional_optim._aliases._kernel_step import InputCheck, KernelArg, KernelSpec, kernel_step
+from functional_optim._aliases._kernel_step import InputCheck, KernelArg, KernelSpec, with_kernel
 from functional_optim._base import GradientTransformation
+from functional_optim._step_checks import GradRules, SparsePolicy
 from functional_optim._transforms.hyperparams import inject_hyperparams
 
 __all__ = ["Algorithm", "Hyperparam"]
@@ -64,6 +65,16 @@ class Algorithm:
         has_fused: torch has a fused CPU kernel (the alias's ``step`` then matches
             ``fused=True`` bitwise; else ``foreach=False``).
         sparse_grads: takes sparse (COO) gradients only (SparseAdam).
+        takes_sparse: takes sparse gradients as well as dense ones (torch's SGD, Adagrad);
+            otherwise a sparse gradient raises ``sparse_message`` before the step changes
+            anything.
+        sparse_message: torch's message for a refused sparse (or, with ``sparse_grads``,
+            dense) gradient; ``"<torch_name> does not support sparse gradients"`` when empty.
+        promotes: torch's per-tensor path computes with gradients (and state) of another
+            dtype than their param (SGD's ``param.add_(grad)``): the step runs the kernel's
+            ``"single"`` path for them. Otherwise they raise before the step changes anything.
+        one_dtype_when: a hyperparameter that turns ``promotes`` off when true (RMSprop's
+            ``centered``: torch's ``lerp_`` takes one dtype).
         needs_closure: ``step`` takes a closure in place of the gradients (LBFGS); driven by
             ``fo.Optimizer.step(closure)``.
         torch_only_args: torch constructor arguments the alias leaves out (implementation
@@ -85,6 +96,10 @@ class Algorithm:
     chain: Alias | None = None
     has_fused: bool = False
     sparse_grads: bool = False
+    takes_sparse: bool = False
+    sparse_message: str = ""
+    promotes: bool = False
+    one_dtype_when: str | None = None
     needs_closure: bool = False
     torch_only_args: frozenset[str] = field(
         default=frozenset({"foreach", "capturable", "differentiable", "fused"})
@@ -100,11 +115,31 @@ class Algorithm:
             object.__setattr__(self, "alias", _generated_alias(self))
 
     @property
+    def grad_rules(self) -> GradRules:
+        """What the step takes besides dense gradients of the params' dtype (checked by every
+        step, :func:`functional_optim._step_checks.check_step`)."""
+        sparse: SparsePolicy = "refuse"
+        if self.sparse_grads:
+            sparse = "require"
+        elif self.takes_sparse:
+            sparse = "accept"
+        return GradRules(
+            self.torch_name, sparse, self.sparse_message, self.promotes, self.one_dtype_when
+        )
+
+    @property
     def kernel_spec(self) -> KernelSpec | None:
         """The kernel and its argument order; None without a kernel."""
         if self.kernel is None:
             return None
-        return KernelSpec(self.kernel, self.kernel_args, self.state_type, self.check_inputs)
+        return KernelSpec(
+            self.kernel,
+            self.kernel_args,
+            self.state_type,
+            self.check_inputs,
+            self.grad_rules,
+            self.state_names,
+        )
 
 
 def _signature(hyperparams: tuple[Hyperparam, ...]) -> inspect.Signature:
@@ -133,7 +168,7 @@ def _generated_alias(algorithm: Algorithm) -> Alias:
         tx = chain(**hyperparams)
         if spec is None:
             return tx
-        return tx._replace(step=kernel_step(spec, {k: hyperparams[k] for k in needed}))
+        return with_kernel(tx, spec, {k: hyperparams[k] for k in needed})
 
     build.__signature__ = signature  # type: ignore[attr-defined]
 

@@ -29,6 +29,13 @@
 
 3. everything before the tail runs as each component's ``lists.apply``, in place.
 
+Before anything runs, every step checks its inputs (:func:`check_tail`, through
+:data:`functional_optim._step_checks.CHECKER`): gradients shaped like their params on
+their devices (no meta tensors) and, for a tail rule with a kernel, the state lists that
+kernel reads (:func:`check_tail`), with torch's errors for what it does not take (sparse
+gradients, other dtypes). A tail that is an alias's own ``step`` checks its state itself;
+the head's list maths are ``torch._foreach_*`` ops, which raise on a size mismatch.
+
 Numbers: the list maths equal ``update(inplace=True)`` bitwise; a fused tail computes the same
 formula in torch's fused order (the ``p * (1 - lr * wd)`` of AdamW for the decoupled decay), so
 it matches the pure path to the tolerance documented for the aliases' fused steps
@@ -50,12 +57,13 @@ from torch import Tensor
 from functional_optim import kernels
 from functional_optim._counts import increment_counts
 from functional_optim._lists import LeafView, ListTransform
+from functional_optim._step_checks import CHECKER, Buffer, GradRules
 from functional_optim._tree import PyTree
 
 if TYPE_CHECKING:
     from functional_optim._base import OptState, StepFn
 
-__all__ = ["chain_step", "plan_tail", "view_step"]
+__all__ = ["ADAM_SPARSE", "chain_step", "check_tail", "plan_tail", "view_step"]
 
 Tail = Callable[[PyTree, LeafView, list[Tensor], list[Any]], None]
 ViewStep = Callable[[PyTree, LeafView, Any], Any]
@@ -134,6 +142,65 @@ _KERNEL_RULES = {
     "scale_by_rms": "rms",
     "scale_by_adamax": "adamax",
 }
+
+#: torch.optim.Adam's message for a sparse gradient (AdamW, its subclass, shares it).
+ADAM_SPARSE = "Adam does not support sparse gradients, please consider SparseAdam instead"
+
+#: What each tail rule's kernel takes: the name in messages, no sparse gradients; the
+#: ``_foreach`` RMSprop tail promotes other dtypes as torch's RMSprop does.
+_TAIL_RULES = {
+    "adam": GradRules("Adam", sparse_message=ADAM_SPARSE),
+    "lion": GradRules("Lion"),
+    "rms": GradRules("RMSprop", promotes=True),
+    "adamax": GradRules("Adamax"),
+}
+#: Any other chain: gradients shaped like their params, on their devices; the list maths
+#: take sparse gradients or other dtypes where their ``_foreach`` ops do.
+_CHAIN_RULES = GradRules("chain", sparse="accept", promotes=True)
+
+
+def _tail_buffers(rule: str, lists: ListTransform, state: Any, view: LeafView) -> list[Buffer]:
+    """The state lists a tail rule's kernel reads, by torch's names."""
+    hyper = lists.hyper
+    if rule == "adam":
+        buffers = [("exp_avg", state.mu), ("exp_avg_sq", state.nu)]
+        if hyper["amsgrad"]:
+            buffers.append(("max_exp_avg_sq", state.nu_max))
+    elif rule == "lion":
+        buffers = [("exp_avg", state.mu)]
+    elif rule == "rms":
+        buffers = [("square_avg", state.nu)]
+        if hyper["centered"]:
+            buffers.append(("grad_avg", state.mu))
+    else:  # adamax
+        buffers = [("exp_avg", state.mu), ("exp_inf", state.nu)]
+    out: list[Buffer] = [(name, "param", view.gather(tree)) for name, tree in buffers]
+    out.append(("step", "scalar", view.gather(state.count)))
+    return out
+
+
+def check_tail(
+    rule: str, lists: ListTransform | None, state: Any, view: LeafView, grads: list[Tensor]
+) -> None:
+    """Check a step's gradients and the state its tail rule's kernel reads, before anything
+    is written (see :func:`functional_optim._step_checks.check_step`).
+
+    Args:
+        rule: the plan's tail rule (``"adam"``, ...; any other: gradients only).
+        lists: the tail's first list transform (the one whose state the kernel reads).
+        state: that transform's state.
+        view: the step's leaf view.
+        grads: the gradients at the view's positions.
+
+    Raises:
+        RuntimeError: torch's errors (see :func:`functional_optim._step_checks.check_step`).
+    """
+    if rule in _TAIL_RULES:
+        assert lists is not None
+        buffers = _tail_buffers(rule, lists, state, view)
+        CHECKER(_TAIL_RULES[rule], view.params, grads, buffers)
+    else:
+        CHECKER(_CHAIN_RULES, view.params, grads)
 
 
 def plan_tail(transforms: Sequence[Any]) -> _Plan:
@@ -304,6 +371,14 @@ def chain_step(transforms: Sequence[Any]) -> StepFn:
             )
         new_state = list(state)
         updates = view.grads
+        first = plan.tail[0] if plan.tail else None
+        check_tail(
+            plan.rule,
+            None if first is None else tail_lists[0],
+            None if first is None else state[first],
+            view,
+            updates,
+        )
         with torch.no_grad():
             for i, apply in head:
                 updates, new_state[i] = apply(updates, new_state[i], view)

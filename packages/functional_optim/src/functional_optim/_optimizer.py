@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState, apply_updates
-from functional_optim._torch_state import from_torch_state, to_torch_state
+from functional_optim._torch_state import check_torch_state, from_torch_state, to_torch_state
 from functional_optim._transforms.hyperparams import InjectHyperparamsState
 
 __all__ = ["Optimizer"]
@@ -38,8 +38,9 @@ class Optimizer(torch.optim.Optimizer):
     State: ``state_dict()`` writes the transform state in torch's format (per-param dicts keyed
     by param index, torch's key names for the built-in transforms; group-level entries under
     ``param_groups[i]["fo_state"]``) and ``load_state_dict`` converts it back, so a round trip
-    resumes bit-identically. ``self.state`` is refreshed from the transform state by
-    ``state_dict()``.
+    resumes bit-identically. ``load_state_dict`` checks the whole dict first and changes
+    nothing when it does not fit (see there). ``self.state`` is refreshed from the transform
+    state by ``state_dict()``.
 
     Args:
         params: an iterable of tensors or of param-group dicts, as for torch optimizers.
@@ -153,16 +154,43 @@ class Optimizer(torch.optim.Optimizer):
             else:
                 group.pop(_GROUP_STATE_KEY, None)
 
-    def _import_state(self) -> None:
+    def _import_state(self, templates: list[OptState]) -> None:
         states = []
-        for group in self.param_groups:
+        for group, template in zip(self.param_groups, templates, strict=True):
             params = list(group["params"])
             per_param = [dict(self.state[p]) if p in self.state else {} for p in params]
-            template = self._tx.init(params)
             states.append(
                 from_torch_state(template, params, per_param, group.get(_GROUP_STATE_KEY))
             )
         self._tx_states = states
+
+    def _checked(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], list[OptState]]:
+        """``state_dict`` with each saved group's missing hyperparameters taken from the
+        current group, and the templates (``tx.init``) it was checked against.
+
+        Raises:
+            KeyError, ValueError, RuntimeError, TypeError: see :meth:`load_state_dict`.
+        """
+        groups, saved = self.param_groups, state_dict["param_groups"]
+        if len(groups) != len(saved) or any(
+            len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved, strict=True)
+        ):
+            return state_dict, []  # torch's load_state_dict raises its ValueError
+        loaded = state_dict["state"]
+        templates, first = [], 0
+        for group, saved_group in zip(groups, saved, strict=True):
+            params = list(group["params"])
+            template = self._tx.init(params)
+            per_param = [loaded.get(i) for i in saved_group["params"]]
+            check_torch_state(template, params, per_param, saved_group.get(_GROUP_STATE_KEY), first)
+            templates.append(template)
+            first += len(params)
+        names = _hyperparams(self._tx.init([]))
+        filled = [
+            {**{k: g[k] for k in names if k in g and k not in s}, **s}
+            for g, s in zip(groups, saved, strict=True)
+        ]
+        return {**state_dict, "param_groups": filled}, templates
 
     def state_dict(self) -> dict[str, Any]:
         """Return the state in torch's format (see the class docstring)."""
@@ -170,6 +198,37 @@ class Optimizer(torch.optim.Optimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state from :meth:`state_dict` (or a compatible torch optimizer's)."""
-        super().load_state_dict(state_dict)
-        self._import_state()
+        """Load a state from :meth:`state_dict` (or a compatible torch optimizer's).
+
+        The whole dict is checked against this optimizer's transform before anything changes
+        (after the load pre-hooks ran, as torch's own checks run): a param with saved state
+        needs every per-param entry of this algorithm (torch's names), each the size this
+        optimizer keeps (a lazily created buffer, as SGD's ``momentum_buffer``, may be absent),
+        and a numeric ``step``. A saved param group that lacks one of the transform's
+        hyperparameters keeps the current value.
+
+        Args:
+            state_dict: the state, in torch's format.
+
+        Raises:
+            KeyError: a per-param entry is missing, e.g. ``KeyError('step')`` for another
+                algorithm's state (torch's error).
+            ValueError: torch's errors for param groups that do not match; a ``step`` that is
+                not a number.
+            RuntimeError: a state tensor whose size is not the one kept for its param.
+            TypeError: an entry that should be a tensor is not one.
+        """
+        templates: list[list[OptState]] = []
+
+        def check(optimizer: torch.optim.Optimizer, loaded: dict[str, Any]) -> dict[str, Any]:
+            checked, made = self._checked(loaded)
+            templates.append(made)
+            return checked
+
+        # registered last, so it sees what the user's pre-hooks returned
+        handle = self.register_load_state_dict_pre_hook(check)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            handle.remove()
+        self._import_state(templates[-1])

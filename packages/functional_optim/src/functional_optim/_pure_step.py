@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState, apply_updates
-from functional_optim._fusion import _decay_split, _learning_rate, _lists, plan_tail
+from functional_optim._fusion import _decay_split, _learning_rate, _lists, check_tail, plan_tail
 from functional_optim._lists import (
     LeafView,
     _copy_state,
@@ -189,12 +189,13 @@ def _fused(
         new_params, new_state[i] = _fused(components[i], view, updates, state[i], flat, run_head)
         return new_params, tuple(new_state)
     tail = [_lists(components[i]) for i in plan.tail]
+    adam = plan.tail[0]
+    check_tail(plan.rule, tail[0], state[adam], view, updates)  # before the head runs
     last = plan.tail[-1]
     new_state[last] = _copy_state(state[last])  # a schedule counts this step in the copy
     lr = _learning_rate(tail[-1], new_state[last])
     wd, decayed, rest = _decay_split(tail, view)
     groups = [(list(range(len(updates))), wd)] if decayed is None else [(decayed, wd), (rest, 0.0)]
-    adam = plan.tail[0]
     hyper = tail[0].hyper
     trivial = not head and prefix is _no_prefix
     head_fn = None if trivial else lambda owned: run_head(owned, True)

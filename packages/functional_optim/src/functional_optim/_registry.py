@@ -47,7 +47,10 @@ from functional_optim._aliases.sparse_adam import sparse_adam
 from functional_optim._transforms.adafactor import (
     ScaleByAdafactorState,
     check_real,
+    col_var_shape,
+    row_var_shape,
     scale_by_adafactor,
+    variance_shape,
 )
 from functional_optim._transforms.adam import (
     ScaleByAdamaxState,
@@ -74,7 +77,11 @@ from functional_optim._transforms.rms import (
     scale_by_rms,
 )
 from functional_optim._transforms.rprop import ScaleByRpropState, scale_by_rprop
-from functional_optim._transforms.sparse_adam import ScaleBySparseAdamState, scale_by_sparse_adam
+from functional_optim._transforms.sparse_adam import (
+    DENSE_GRAD_MESSAGE,
+    ScaleBySparseAdamState,
+    scale_by_sparse_adam,
+)
 from functional_optim.functional import (
     FunctionalAdadelta,
     FunctionalAdafactor,
@@ -109,6 +116,8 @@ _ADAM_NAMES: Mapping[str, str] = {
     "nu_max": "max_exp_avg_sq",
 }
 _TRACE_NAMES: dict[type, Mapping[str, str]] = {TraceState: {"momentum_buffer": "momentum_buffer"}}
+#: torch.optim.Adam's message, which AdamW (its subclass) shares.
+_ADAM_SPARSE = "Adam does not support sparse gradients, please consider SparseAdam instead"
 _ADAM_ARGS: tuple[KernelArg, ...] = (
     PARAMS, GRADS, state("mu"), state("nu"), state("nu_max", when="amsgrad"), state("count"),
     "amsgrad", "b1", "b2", LR, "weight_decay", "eps", "maximize", IMPL,
@@ -131,6 +140,8 @@ ALGORITHMS: tuple[Algorithm, ...] = (
         ),
         functional=FunctionalAdagrad,
         has_fused=True,
+        takes_sparse=True,
+        promotes=True,
     ),
     Algorithm(
         name="adam",
@@ -143,6 +154,7 @@ ALGORITHMS: tuple[Algorithm, ...] = (
         kernel_args=_ADAM_ARGS,
         functional=FunctionalAdam,
         has_fused=True,
+        sparse_message=_ADAM_SPARSE,
     ),
     Algorithm(
         name="adamw",
@@ -155,6 +167,7 @@ ALGORITHMS: tuple[Algorithm, ...] = (
         kernel_args=_ADAM_ARGS,
         functional=FunctionalAdamW,
         has_fused=True,
+        sparse_message=_ADAM_SPARSE,
     ),
     Algorithm(
         name="sgd",
@@ -170,6 +183,8 @@ ALGORITHMS: tuple[Algorithm, ...] = (
         ),
         functional=FunctionalSGD,
         has_fused=True,
+        takes_sparse=True,
+        promotes=True,
     ),
     Algorithm(
         name="adadelta",
@@ -186,6 +201,7 @@ ALGORITHMS: tuple[Algorithm, ...] = (
             LR, "rho", "eps", "weight_decay", "maximize", IMPL,
         ),
         functional=FunctionalAdadelta,
+        promotes=True,
     ),
     Algorithm(
         name="rmsprop",
@@ -205,6 +221,8 @@ ALGORITHMS: tuple[Algorithm, ...] = (
             "maximize", IMPL,
         ),
         functional=FunctionalRMSprop,
+        promotes=True,
+        one_dtype_when="centered",
     ),
     Algorithm(
         name="rprop",
@@ -221,6 +239,7 @@ ALGORITHMS: tuple[Algorithm, ...] = (
             "step_size_min", "step_size_max", "etaminus", "etaplus", "maximize", IMPL,
         ),
         functional=FunctionalRprop,
+        promotes=True,
     ),
     Algorithm(
         name="adamax",
@@ -252,7 +271,8 @@ ALGORITHMS: tuple[Algorithm, ...] = (
         },
         kernel=kernels.nadam,
         kernel_args=(
-            PARAMS, GRADS, state("mu"), state("nu"), state("mu_product"), state("count"),
+            PARAMS, GRADS, state("mu"), state("nu"), state("mu_product", shape="scalar"),
+            state("count"),
             "b1", "b2", LR, "weight_decay", "momentum_decay", "eps", "decoupled", "maximize",
             IMPL,
         ),
@@ -281,10 +301,12 @@ ALGORITHMS: tuple[Algorithm, ...] = (
         state_names={ScaleByAsgdState: {"count": "step", "eta": "eta", "mu": "mu", "ax": "ax"}},
         kernel=kernels.asgd,
         kernel_args=(
-            PARAMS, GRADS, state("ax"), state("mu"), state("eta"), state("count"),
+            PARAMS, GRADS, state("ax"), state("mu", shape="scalar"),
+            state("eta", shape="scalar"), state("count"),
             "lambd", LR, "t0", "alpha", "weight_decay", "maximize", IMPL,
         ),
         functional=FunctionalASGD,
+        promotes=True,
     ),
     Algorithm(
         name="adafactor",
@@ -302,7 +324,8 @@ ALGORITHMS: tuple[Algorithm, ...] = (
         },
         kernel=kernels.adafactor,
         kernel_args=(
-            PARAMS, GRADS, state("row_var"), state("col_var"), state("variance"),
+            PARAMS, GRADS, state("row_var", shape=row_var_shape),
+            state("col_var", shape=col_var_shape), state("variance", shape=variance_shape),
             state("count"), "d", LR, "beta2_decay", "weight_decay", "eps1", "eps2", "maximize",
             IMPL,
         ),
@@ -339,6 +362,7 @@ ALGORITHMS: tuple[Algorithm, ...] = (
             "eps", "b1", "b2", LR, "maximize",
         ),
         sparse_grads=True,
+        sparse_message=DENSE_GRAD_MESSAGE,
     ),
     Algorithm(
         name="lbfgs",

@@ -9,13 +9,19 @@ Per-param fields of the built-in states use torch's names; fields of other state
 own name, prefixed by the component's position in the chain (``"3.mu"``) when the name is
 already taken. ``None`` entries (a buffer not created yet) are left out, as torch leaves out
 state it has not created.
+
+``check_torch_state`` validates torch-style dicts against a template before anything is
+loaded (``fo.Optimizer.load_state_dict`` runs it first): every per-param entry of a param that
+has state, with the template's size, a step count that is a number.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from numbers import Real
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from functional_optim._base import OptState
@@ -24,7 +30,7 @@ from functional_optim._registry import TORCH_STATE_NAMES
 from functional_optim._transforms.hyperparams import InjectHyperparamsState
 from functional_optim._tree import PyTree, TreeSpec, tree_structure
 
-__all__ = ["from_torch_state", "to_torch_state"]
+__all__ = ["check_torch_state", "from_torch_state", "to_torch_state"]
 
 
 #: State type -> (field -> torch's per-param state key), from the algorithm registry (the live
@@ -102,7 +108,103 @@ def to_torch_state(state: OptState, params: PyTree) -> tuple[list[dict[str, Any]
 def _restore(template: Any, loaded: Any) -> Any:
     if isinstance(template, Tensor) and isinstance(loaded, Tensor):
         return loaded.to(dtype=template.dtype, device=template.device)
+    if isinstance(template, Tensor) and isinstance(loaded, Real):  # torch's ``"step": 3``
+        return torch.tensor(float(loaded), dtype=template.dtype, device=template.device)
     return loaded
+
+
+def _check_value(key: str, where: str, loaded: Any, template: Any, param: Any) -> None:
+    """One loaded entry against the template's (``None``: a buffer created lazily, shaped
+    like its param)."""
+    if template is None:
+        template = param
+        if not isinstance(template, Tensor):
+            return
+    if not isinstance(template, Tensor):
+        return  # not a tensor in the transform state either: taken as it is
+    if template.dim() == 0 and param is not None and (param.dim() != 0 or key == "step"):
+        _check_number(key, where, loaded)  # a per-param scalar (a step count)
+        return
+    if not isinstance(loaded, Tensor):
+        raise TypeError(
+            f"state {key!r} of {where} is a {type(loaded).__name__}, not a tensor; load a state "
+            "dict saved by an optimizer of this algorithm"
+        )
+    if loaded.shape != template.shape:
+        raise RuntimeError(
+            f"the size of state {key!r} of {where} ({list(loaded.shape)}) must match the size "
+            f"this optimizer keeps for it ({list(template.shape)}); the state dict was saved "
+            "for other params: load it into an optimizer over the same params, in order"
+        )
+
+
+def _check_number(key: str, where: str, loaded: Any) -> None:
+    if isinstance(loaded, Tensor):
+        if loaded.numel() != 1:
+            raise RuntimeError(
+                f"state {key!r} of {where} must hold one number, got a tensor of shape "
+                f"{list(loaded.shape)}"
+            )
+        if loaded.is_complex():
+            raise ValueError(f"state {key!r} of {where} must be a real number, got {loaded}")
+        return
+    if not isinstance(loaded, Real):  # torch: float(state["step"]) fails with a ValueError
+        raise ValueError(
+            f"state {key!r} of {where} must be a number or a 1-element tensor, got "
+            f"{type(loaded).__name__} {loaded!r}"
+        )
+
+
+def check_torch_state(
+    template: OptState,
+    params: PyTree,
+    per_param: Sequence[Mapping[str, Any] | None],
+    group_state: Mapping[str, Any] | None = None,
+    first: int = 0,
+) -> None:
+    """Check torch-style dicts against a transform's state before loading them.
+
+    A param with no entry (or an empty one) is fine: its state is created at its first step,
+    as torch creates it. A param with an entry must have every per-param entry of the template
+    (torch's keys, in field order; a lazily created buffer, as SGD's ``momentum_buffer``, may
+    be absent), with the template's size (the param's for a lazily created one), and per-param
+    scalars (``step``) must be numbers.
+
+    Args:
+        template: ``tx.init(params)``.
+        params: the params pytree.
+        per_param: one dict (or None) per param, in ``params`` leaf order.
+        group_state: the group-level entries (``param_groups[i]["fo_state"]``).
+        first: the index of the first param in messages (its position in the state dict).
+
+    Raises:
+        KeyError: a per-param entry is missing (torch's ``KeyError('step')``).
+        ValueError: a step count is not a number; ``per_param`` has the wrong length.
+        RuntimeError: a tensor's size is not the template's (or a count holds several values).
+        TypeError: an entry that should be a tensor is not one.
+    """
+    spec = tree_structure(params)
+    if len(per_param) != spec.num_leaves:
+        raise ValueError(f"got {len(per_param)} per-param dicts for {spec.num_leaves} params")
+    leaves = spec.flatten_up_to(params)
+    group_state = group_state or {}
+    keys = _keys(template, spec)
+    for path, comp in _components(template):
+        for field in comp._fields:
+            key, is_per_param = keys[(path, field)]
+            value = getattr(comp, field)
+            if is_per_param:
+                values: list[Any] = spec.flatten_up_to(value)
+                for j, (leaf, d) in enumerate(zip(values, per_param, strict=True)):
+                    if not d:
+                        continue
+                    if key not in d:
+                        if leaf is None:
+                            continue  # created lazily (SGD's momentum_buffer): may be absent
+                        raise KeyError(key)
+                    _check_value(key, f"param {first + j}", d[key], leaf, leaves[j])
+            elif key in group_state and isinstance(value, Tensor):
+                _check_value(key, "the param group", group_state[key], value, None)
 
 
 def from_torch_state(

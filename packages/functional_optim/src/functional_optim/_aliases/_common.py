@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -20,16 +20,34 @@ from functional_optim._tree import PyTree, leaves_like, tree_flatten
 
 LearningRate = float | Tensor | Schedule
 S = TypeVar("S")
+L = TypeVar("L", bound=LearningRate)
 
 
-def check_lr(lr: LearningRate) -> None:
-    """torch's learning-rate checks (a schedule is accepted as is)."""
+def scalar_lr(lr: L) -> L:
+    """``lr`` with a 1-element tensor as a 0-d view of it (torch takes either; the list maths
+    scale by 0-d tensors). Floats, 0-d tensors and schedules are returned as they are."""
+    if isinstance(lr, Tensor) and lr.dim() != 0 and lr.numel() == 1:
+        return cast(L, lr.reshape(()))
+    return lr
+
+
+def check_lr(lr: L) -> L:
+    """torch's learning-rate checks (a schedule is accepted as is).
+
+    Returns:
+        ``lr`` for the chain: a 1-element tensor as a 0-d view (:func:`scalar_lr`).
+
+    Raises:
+        ValueError: torch's messages (``Invalid learning rate: -1``).
+    """
     if callable(lr) or is_traced(lr):  # a vmapped lr (a sweep) has no readable value
-        return
-    if isinstance(lr, Tensor) and lr.numel() != 1:
+        return scalar_lr(lr)
+    value = cast("float | Tensor", lr)  # not a schedule here
+    if isinstance(value, Tensor) and value.numel() != 1:
         raise ValueError("Tensor lr must be 1-element")
-    if not lr >= 0.0:
-        raise ValueError(f"Invalid learning rate: {lr}")
+    if not value >= 0.0:
+        raise ValueError(f"Invalid learning rate: {value}")
+    return scalar_lr(lr)
 
 
 def check_nonneg(value: float, what: str) -> None:
@@ -39,11 +57,21 @@ def check_nonneg(value: float, what: str) -> None:
 
 
 def check_betas(betas: Any) -> None:
-    """torch.optim.Adam/Adamax's ``betas`` range checks."""
+    """torch.optim.Adam/Adamax's ``betas`` range checks, then their number: torch unpacks
+    ``beta1, beta2 = betas`` at its first step and raises there; this raises at construction.
+
+    Raises:
+        ValueError: a beta out of ``[0, 1)`` (torch's message), or more than two betas.
+        IndexError: fewer than two (torch's, from ``betas[1]``).
+    """
     if not 0.0 <= betas[0] < 1.0:
         raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
     if not 0.0 <= betas[1] < 1.0:
         raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    if len(betas) != 2:
+        raise ValueError(
+            f"too many values to unpack (expected 2): betas must be (beta1, beta2), got {betas}"
+        )
 
 
 def maximize_tx(maximize: bool) -> GradientTransformation:

@@ -19,7 +19,7 @@ the trees, gathers the state lists and calls the kernel.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 
 from functional_optim._aliases._common import FlatView, component, lr_value, replace_component
-from functional_optim._base import GradientTransformation, OptState
+from functional_optim._base import GradientTransformation, OptState, UpdateFn
+from functional_optim._step_checks import CHECKER, Buffer, GradRules, Shape, check_step
 from functional_optim._tree import PyTree
 
 __all__ = [
@@ -41,7 +42,9 @@ __all__ = [
     "StateArg",
     "fused",
     "kernel_step",
+    "kernel_update",
     "state",
+    "with_kernel",
 ]
 
 Fill = Literal["kernel", "zeros"]
@@ -71,6 +74,7 @@ class StateArg:
     when: str | None = None
     of: type | None = None
     fill: Fill | None = None
+    shape: Shape = "param"
 
 
 #: One kernel argument: a special source, a state list or a hyperparameter name.
@@ -78,7 +82,11 @@ KernelArg = _Special | StateArg | str
 
 
 def state(
-    field: str, when: str | None = None, of: type | None = None, fill: Fill | None = None
+    field: str,
+    when: str | None = None,
+    of: type | None = None,
+    fill: Fill | None = None,
+    shape: Shape | None = None,
 ) -> StateArg:
     """Declare a state list argument.
 
@@ -90,8 +98,13 @@ def state(
         fill: the leaves may be None (created lazily): ``"kernel"`` lets the kernel store new
             tensors in the list, ``"zeros"`` fills them with zeros first; either way the list is
             written back into the chain state after the call.
+        shape: how its tensors are shaped, checked before every step
+            (:data:`functional_optim._step_checks.Shape`): ``"scalar"`` for ``count`` (the
+            per-leaf step counters), ``"param"`` for any other field when None.
     """
-    return StateArg(field, when, of, fill)
+    if shape is None:
+        shape = "scalar" if field == "count" else "param"
+    return StateArg(field, when, of, fill, shape)
 
 
 @dataclass(frozen=True)
@@ -103,12 +116,18 @@ class KernelSpec:
         args: what the kernel takes, in order.
         state_type: the state the ``state(...)`` arguments read by default.
         check_inputs: run on the active params and grads before the kernel (Muon's 2-D check).
+        rules: the gradients the kernel takes (sparse, other dtypes) and the name in messages;
+            every step checks its inputs against them and the declared state shapes
+            (:func:`functional_optim._step_checks.check_step`) before anything is written.
+        state_names: state type -> (field -> torch's key): the names the messages use.
     """
 
     kernel: Callable[..., None]
     args: tuple[KernelArg, ...]
     state_type: type
     check_inputs: InputCheck | None = None
+    rules: GradRules | None = None
+    state_names: Mapping[type, Mapping[str, str]] = field(default_factory=dict)
     needed: frozenset[str] = field(init=False, repr=False, compare=False)
     plan: _Plan = field(init=False, repr=False, compare=False)
 
@@ -124,6 +143,8 @@ class KernelSpec:
                 owner = arg.of or self.state_type
                 if arg.field not in getattr(owner, "_fields", ()):
                     raise ValueError(f"{owner.__name__} has no field {arg.field!r}")
+        if self.rules is None:
+            object.__setattr__(self, "rules", GradRules(self.kernel.__name__))
         # computed once: read on every alias build (each step, with tensor hyperparameters)
         object.__setattr__(self, "needed", frozenset(self.hyperparameter_names()))
         object.__setattr__(self, "plan", _plan(self))
@@ -134,6 +155,8 @@ class KernelSpec:
         names |= {a.when for a in self.args if isinstance(a, StateArg) and a.when is not None}
         if LR in self.args:
             names.add("lr")
+        if self.rules is not None and self.rules.one_dtype_when is not None:
+            names.add(self.rules.one_dtype_when)
         return names
 
 
@@ -173,15 +196,18 @@ class _Plan:
     """A kernel declaration sorted once into what each alias build fills in."""
 
     base: list[Any]  # "auto" at IMPL, None elsewhere
-    hyper: list[tuple[int, str]]  # position <- a hyperparameter value
+    hyper: list[tuple[int, str, bool]]  # position <- a hyperparameter value (as a bool?)
     fixed: list[tuple[int, Getter]]  # params, grads, state lists read every step
     conditional: list[tuple[int, StateArg, Getter]]  # state lists with a ``when``
     lazy: list[tuple[int, StateArg]]  # lazily created buffers without a ``when``
+    checked: list[tuple[int, StateArg]]  # state lists without a ``when``: checked each step
     lr_index: int | None
+    impl_index: int | None
 
 
 def _plan(spec: KernelSpec) -> _Plan:
-    plan = _Plan([None] * len(spec.args), [], [], [], [], None)
+    plan = _Plan([None] * len(spec.args), [], [], [], [], [], None, None)
+    kinds = list(inspect.signature(spec.kernel).parameters.values())
     for i, arg in enumerate(spec.args):
         if isinstance(arg, StateArg):
             getter = _state_getter(arg, spec.state_type)
@@ -191,8 +217,10 @@ def _plan(spec: KernelSpec) -> _Plan:
                 plan.lazy.append((i, arg))
             else:
                 plan.fixed.append((i, getter))
+                plan.checked.append((i, arg))
         elif isinstance(arg, str):
-            plan.hyper.append((i, arg))
+            # torch reads its flags as truthy values (``amsgrad="yes"``); the kernels take bools
+            plan.hyper.append((i, arg, kinds[i].annotation in (bool, "bool")))
         elif arg is PARAMS:
             plan.fixed.append((i, _params))
         elif arg is GRADS:
@@ -201,18 +229,35 @@ def _plan(spec: KernelSpec) -> _Plan:
             object.__setattr__(plan, "lr_index", i)
         else:
             plan.base[i] = "auto"  # IMPL
+            object.__setattr__(plan, "impl_index", i)
     return plan
 
 
-def _slots(
-    spec: KernelSpec, values: Mapping[str, Any]
-) -> tuple[list[Any], list[tuple[int, Getter]], list[tuple[int, StateArg]]]:
+@dataclass(frozen=True)
+class _Slots:
+    """One alias build's arguments: constants, per-step getters, buffers to check."""
+
+    template: list[Any]
+    dynamic: list[tuple[int, Getter]]
+    lazy: list[tuple[int, StateArg]]
+    checked: list[tuple[int, str, Shape]]  # position, name in messages, shape
+    lr: Getter | None  # read after the check (a schedule counts the step)
+    rules: GradRules  # the spec's, for these hyperparameters
+
+
+def _label(spec: KernelSpec, arg: StateArg) -> str:
+    """The name of a state list in messages: torch's key where the entry gives one."""
+    return spec.state_names.get(arg.of or spec.state_type, {}).get(arg.field, arg.field)
+
+
+def _slots(spec: KernelSpec, values: Mapping[str, Any]) -> _Slots:
     """The constant arguments, the per-step getters and the lazy buffers for ``values``."""
     plan = spec.plan
     template = plan.base.copy()
-    for i, name in plan.hyper:
-        template[i] = values[name]
+    for i, name, flag in plan.hyper:
+        template[i] = bool(values[name]) if flag else values[name]
     dynamic, lazy = plan.fixed, plan.lazy  # shared, never mutated; copied when extended
+    checked = [(i, _label(spec, arg), arg.shape) for i, arg in plan.checked]
     if plan.conditional:
         dynamic, lazy = dynamic.copy(), lazy.copy()
     for i, arg, getter in plan.conditional:
@@ -222,17 +267,86 @@ def _slots(
             lazy.append((i, arg))
         else:
             dynamic.append((i, getter))
+            checked.append((i, _label(spec, arg), arg.shape))
+    lr_get = None
     if plan.lr_index is not None:
         lr = _lr_getter(values["lr"])
         if callable(lr):
-            dynamic = [*dynamic, (plan.lr_index, lr)]
+            lr_get = lr
         else:
             template[plan.lr_index] = lr
-    return template, dynamic, lazy
+    assert spec.rules is not None
+    return _Slots(template, dynamic, lazy, checked, lr_get, spec.rules.for_values(values))
+
+
+class _Buffers:
+    """The lazily created buffers of one step, gathered with their None entries."""
+
+    def __init__(self, spec: KernelSpec, slots: _Slots, view: FlatView, st: Any, full: OptState):
+        self.entries: list[tuple[int, Any, int, bool, list[Any], list[Any]]] = []
+        for i, arg in slots.lazy:
+            owner: Any = st if arg.of is None else component(full, arg.of)
+            index = _field_index(arg.of or spec.state_type, arg.field)
+            leaves = view.leaves(owner[index])
+            self.entries.append((i, owner, index, arg.fill == "zeros", leaves, view.take(leaves)))
+        self.labels = [_label(spec, arg) for _, arg in slots.lazy]
+
+    def checked(self) -> list[Buffer]:
+        return [
+            (label, "param", taken)
+            for label, (*_, taken) in zip(self.labels, self.entries, strict=True)
+        ]
+
+    def fill(self, view: FlatView, args: list[Any]) -> None:
+        """Zeros for the None entries of ``"zeros"`` buffers; the lists into ``args``."""
+        for i, _, _, zeros, leaves, taken in self.entries:
+            if zeros:
+                for k, j in enumerate(view.idx):
+                    if leaves[j] is None:
+                        p = view.params[j]
+                        leaves[j] = taken[k] = torch.zeros_like(
+                            p, memory_format=torch.preserve_format
+                        )
+            args[i] = taken
+
+    def write_back(self, view: FlatView, full: OptState) -> OptState:
+        """The chain state with the (possibly new) buffers."""
+        for _, owner, index, zeros, leaves, taken in self.entries:
+            if not zeros:  # the kernel stores a new buffer on a param's first step
+                for j, buf in zip(view.idx, taken, strict=True):
+                    leaves[j] = buf
+            fields = list(owner)
+            fields[index] = view.unflatten(leaves)
+            full = replace_component(full, type(owner)(*fields))
+        return full
+
+
+def _check(
+    spec: KernelSpec,
+    slots: _Slots,
+    view: FlatView,
+    args: list[Any],
+    lazy: _Buffers | None,
+    meta: bool = False,
+) -> bool:
+    """:func:`check_step` on what the kernel will get (before anything is written)."""
+    if spec.check_inputs is not None:
+        spec.check_inputs(view.active_params, view.active_grads)
+    buffers: list[Buffer] = [(label, shape, args[i]) for i, label, shape in slots.checked]
+    if lazy is not None:
+        buffers += lazy.checked()
+    # under a torch.func transform the tensors are wrappers: the plain check, no guards
+    check = check_step if torch._C._functorch.peek_interpreter_stack() is not None else CHECKER
+    return check(slots.rules, view.active_params, view.active_grads, buffers, meta=meta)
 
 
 def kernel_step(spec: KernelSpec, values: Mapping[str, Any]) -> Callable[..., OptState]:
     """The fused ``step(params, grads, state)`` running ``spec.kernel`` with ``values``.
+
+    Every step first checks the gradients and the state lists against the params
+    (:func:`functional_optim._step_checks.check_step`): a mismatch raises before a counter, a
+    buffer or a param changes. Gradients (or state) of another dtype than their param, where
+    torch's per-tensor path takes them, run the kernel's ``"single"`` path.
 
     Args:
         spec: the kernel and its argument order.
@@ -248,36 +362,60 @@ def kernel_step(spec: KernelSpec, values: Mapping[str, Any]) -> Callable[..., Op
             f"{spec.kernel.__name__}'s step takes the hyperparameters {sorted(needed)}; got "
             f"{sorted(values)}"
         )
-    template, dynamic, lazy = _slots(spec, values)
-    kernel, state_type, check = spec.kernel, spec.state_type, spec.check_inputs
-    if lazy:
-        return _lazy_step(kernel, state_type, check, template, dynamic, lazy)
+    slots = _slots(spec, values)
+    kernel, state_type = spec.kernel, spec.state_type
+    lr_index, impl_index = spec.plan.lr_index, spec.plan.impl_index
 
     def step(params: PyTree, grads: PyTree, full: OptState) -> OptState:
-        _, _, args = _arguments(params, grads, full, state_type, check, template, dynamic)
+        view, st, args = _arguments(params, grads, full, state_type, slots)
+        lazy = _Buffers(spec, slots, view, st, full) if slots.lazy else None
+        if not _check(spec, slots, view, args, lazy) and impl_index is not None:
+            args[impl_index] = "single"  # torch's per-tensor path promotes other dtypes
+        if slots.lr is not None:
+            args[lr_index] = slots.lr(view, st, full)  # type: ignore[index]
+        if lazy is None:
+            kernel(*args)
+            return full
+        lazy.fill(view, args)
         kernel(*args)
-        return full
+        return lazy.write_back(view, full)
 
     return step
 
 
+def kernel_update(spec: KernelSpec, values: Mapping[str, Any], update: UpdateFn) -> UpdateFn:
+    """``update`` after the checks :func:`kernel_step` makes (meta tensors allowed: a pure
+    update may be traced for shapes).
+
+    Args:
+        spec: the kernel declaration (its state lists and rules).
+        values: the hyperparameters (which optional state lists exist).
+        update: the chain's pure ``update``.
+    """
+    slots = _slots(spec, values)
+    state_type = spec.state_type
+
+    def checked(
+        updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
+    ) -> tuple[PyTree, OptState]:
+        reference = updates if params is None else params
+        view, st, args = _arguments(reference, updates, state, state_type, slots)
+        lazy = _Buffers(spec, slots, view, st, state) if slots.lazy else None
+        _check(spec, slots, view, args, lazy, meta=True)
+        return update(updates, state, params, inplace=inplace)
+
+    return checked
+
+
 def _arguments(
-    params: PyTree,
-    grads: PyTree,
-    full: OptState,
-    state_type: type,
-    check: InputCheck | None,
-    template: list[Any],
-    dynamic: list[tuple[int, Getter]],
+    params: PyTree, grads: PyTree, full: OptState, state_type: type, slots: _Slots
 ) -> tuple[FlatView, Any, list[Any]]:
-    """The flat view, the algorithm's state and the kernel's arguments for one step (after the
-    input check)."""
+    """The flat view, the algorithm's state and the kernel's arguments for one step (the
+    lazily created buffers and a schedule's learning rate not yet filled in)."""
     view = FlatView(params, grads)
-    if check is not None:
-        check(view.active_params, view.active_grads)
     st: Any = component(full, state_type)
-    args = template.copy()
-    for i, get in dynamic:
+    args = slots.template.copy()
+    for i, get in slots.dynamic:
         args[i] = get(view, st, full)
     return view, st, args
 
@@ -287,47 +425,19 @@ def _field_index(state_type: type, field_name: str) -> int:
     return fields.index(field_name)
 
 
-def _lazy_step(
-    kernel: Callable[..., None],
-    state_type: type,
-    check: InputCheck | None,
-    template: list[Any],
-    dynamic: list[tuple[int, Getter]],
-    lazy: Sequence[tuple[int, StateArg]],
-) -> Callable[..., OptState]:
-    """A step with lazily created buffers (SGD's and RMSprop's momentum): they are gathered
-    with their None entries, filled (by the kernel or with zeros first) and written back into
-    the chain state."""
-    buffers = [
-        (i, arg.of, _field_index(arg.of or state_type, arg.field), arg.fill == "zeros")
-        for i, arg in lazy
-    ]
+def with_kernel(
+    tx: GradientTransformation, spec: KernelSpec, values: Mapping[str, Any]
+) -> GradientTransformation:
+    """``tx`` with the fused ``step`` of ``spec`` and its ``update`` checked as that step is.
 
-    def step(params: PyTree, grads: PyTree, full: OptState) -> OptState:
-        view, st, args = _arguments(params, grads, full, state_type, check, template, dynamic)
-        written = []
-        for i, of, index, zeros in buffers:
-            owner: Any = st if of is None else component(full, of)
-            leaves = view.leaves(owner[index])
-            if zeros:
-                for j in view.idx:
-                    if leaves[j] is None:
-                        p = view.params[j]
-                        leaves[j] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            taken = view.take(leaves)
-            args[i] = taken
-            written.append((owner, index, zeros, leaves, taken))
-        kernel(*args)
-        for owner, index, zeros, leaves, taken in written:
-            if not zeros:  # the kernel stores a new buffer on a param's first step
-                for j, buf in zip(view.idx, taken, strict=True):
-                    leaves[j] = buf
-            fields = list(owner)
-            fields[index] = view.unflatten(leaves)
-            full = replace_component(full, type(owner)(*fields))
-        return full
-
-    return step
+    Args:
+        tx: the alias's chain.
+        spec: the kernel declaration.
+        values: the hyperparameters its kernel arguments name.
+    """
+    return tx._replace(
+        step=kernel_step(spec, values), update=kernel_update(spec, values, tx.update)
+    )
 
 
 #: Alias name -> its kernel declaration; filled by the algorithm registry
@@ -348,4 +458,4 @@ def fused(tx: GradientTransformation, name: str, **values: Any) -> GradientTrans
     """
     if name not in SPECS:
         raise KeyError(f"no registered algorithm {name!r} declares a kernel")
-    return tx._replace(step=kernel_step(SPECS[name], values))
+    return with_kernel(tx, SPECS[name], values)

@@ -52,7 +52,7 @@ def _build_adafactor(
         decay: float | Tensor = -rate * weight_decay if weight_decay != 0 else 0.0
     else:
         rate = float(lr)
-        decay = -rate * weight_decay
+        decay = -rate * weight_decay if weight_decay != 0 else 0.0  # not inf * 0 = nan
     tx = chain(
         maximize_tx(maximize),
         scale_by_adafactor(rate, beta2_decay, eps, d),

@@ -32,7 +32,7 @@ def _build(
     maximize: bool,
     decoupled: bool,
 ) -> GradientTransformation:
-    check_lr(lr)
+    lr = check_lr(lr)
     check_nonneg(eps, "epsilon value")
     check_betas(betas)
     check_nonneg(weight_decay, "weight_decay value")

@@ -26,12 +26,16 @@ __all__ = ["nadam", "radam"]
 Betas = tuple[float | Tensor, float | Tensor]
 
 
-def _check_adam_like(lr: LearningRate, betas: Betas, eps: float, weight_decay: float) -> None:
-    """torch's checks, in torch's order, for NAdam and RAdam."""
-    check_lr(lr)
+def _check_adam_like(
+    lr: LearningRate, betas: Betas, eps: float, weight_decay: float
+) -> LearningRate:
+    """torch's checks, in torch's order, for NAdam and RAdam; returns the chain's ``lr``
+    (:func:`check_lr`)."""
+    lr = check_lr(lr)
     check_nonneg(eps, "epsilon value")
     check_betas(betas)
     check_nonneg(weight_decay, "weight_decay value")
+    return lr
 
 
 def _build_nadam(
@@ -43,7 +47,7 @@ def _build_nadam(
     decoupled_weight_decay: bool,
     maximize: bool,
 ) -> GradientTransformation:
-    _check_adam_like(lr, betas, eps, weight_decay)
+    lr = _check_adam_like(lr, betas, eps, weight_decay)
     check_nonneg(momentum_decay, "momentum_decay value")
     b1, b2 = as_float(betas[0]), as_float(betas[1])
     decoupled = decoupled_weight_decay
@@ -115,7 +119,7 @@ def _build_radam(
     decoupled_weight_decay: bool,
     maximize: bool,
 ) -> GradientTransformation:
-    _check_adam_like(lr, betas, eps, weight_decay)
+    lr = _check_adam_like(lr, betas, eps, weight_decay)
     b1, b2 = as_float(betas[0]), as_float(betas[1])
     decoupled = decoupled_weight_decay
     tx = torch_chain(

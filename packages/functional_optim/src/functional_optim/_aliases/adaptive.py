@@ -32,7 +32,7 @@ def _build_adagrad(
     eps: float,
     maximize: bool,
 ) -> GradientTransformation:
-    check_lr(lr)
+    lr = check_lr(lr)
     check_nonneg(lr_decay, "lr_decay value")
     check_nonneg(weight_decay, "weight_decay value")
     check_nonneg(initial_accumulator_value, "initial_accumulator_value value")
@@ -90,7 +90,7 @@ def adagrad(
 def _build_adadelta(
     lr: LearningRate, rho: float, eps: float, weight_decay: float, maximize: bool
 ) -> GradientTransformation:
-    check_lr(lr)
+    lr = check_lr(lr)
     if not 0.0 <= rho <= 1.0:
         raise ValueError(f"Invalid rho value: {rho}")
     check_nonneg(eps, "epsilon value")
@@ -137,7 +137,7 @@ def _build_adamax(
     weight_decay: float,
     maximize: bool,
 ) -> GradientTransformation:
-    check_lr(lr)
+    lr = check_lr(lr)
     check_nonneg(eps, "epsilon value")
     check_betas(betas)
     check_nonneg(weight_decay, "weight_decay value")

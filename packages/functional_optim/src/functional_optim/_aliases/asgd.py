@@ -30,7 +30,7 @@ def _build_asgd(
         raise TypeError(
             "asgd's lr sets its step-size state (eta) each step; pass a float, not a schedule"
         )
-    check_lr(lr)
+    lr = check_lr(lr)
     check_nonneg(weight_decay, "weight_decay value")
     tx = chain(
         maximize_tx(maximize),

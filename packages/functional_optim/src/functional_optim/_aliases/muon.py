@@ -6,6 +6,7 @@ from torch import Tensor
 
 from functional_optim._aliases._common import (
     LearningRate,
+    scalar_lr,
 )
 from functional_optim._aliases._kernel_step import fused
 from functional_optim._base import GradientTransformation, chain
@@ -50,6 +51,7 @@ def _build_muon(
     adjust_lr_fn: str | None,
 ) -> GradientTransformation:
     _check(lr, weight_decay, momentum, adjust_lr_fn)
+    lr = scalar_lr(lr)
     tx = chain(
         scale_by_muon(momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn),
         add_decayed_weights(weight_decay),

@@ -32,7 +32,7 @@ def _build_rmsprop(
     centered: bool,
     maximize: bool,
 ) -> GradientTransformation:
-    check_lr(lr)
+    lr = check_lr(lr)
     check_nonneg(eps, "epsilon value")
     check_nonneg(momentum, "momentum value")
     check_nonneg(weight_decay, "weight_decay value")
@@ -100,7 +100,7 @@ def _build_rprop(
 ) -> GradientTransformation:
     if callable(lr):
         raise TypeError("rprop's lr only sets the initial step sizes; pass a float, not a schedule")
-    check_lr(lr)
+    lr = check_lr(lr)
     if not 0.0 < etas[0] < 1.0 < etas[1]:
         raise ValueError(f"Invalid eta values: {etas[0]}, {etas[1]}")
     tx = chain(

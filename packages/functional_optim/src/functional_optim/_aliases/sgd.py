@@ -26,7 +26,7 @@ def _build(
     nesterov: bool,
     maximize: bool,
 ) -> GradientTransformation:
-    check_lr(lr)
+    lr = check_lr(lr)
     check_nonneg(momentum, "momentum value")
     check_nonneg(weight_decay, "weight_decay value")  # type: ignore[arg-type]
     if nesterov and (momentum <= 0 or dampening != 0):

@@ -12,7 +12,14 @@ from functional_optim._transforms import _ops
 from functional_optim._transforms._leafwise import leafwise_lists
 from functional_optim._tree import PyTree, tree_flatten
 
-__all__ = ["ScaleByAdafactorState", "check_real", "scale_by_adafactor"]
+__all__ = [
+    "ScaleByAdafactorState",
+    "check_real",
+    "col_var_shape",
+    "row_var_shape",
+    "scale_by_adafactor",
+    "variance_shape",
+]
 
 
 class ScaleByAdafactorState(NamedTuple):
@@ -25,20 +32,33 @@ class ScaleByAdafactorState(NamedTuple):
     variance: PyTree
 
 
+def row_var_shape(shape: torch.Size) -> tuple[int, ...] | None:
+    """The shape of a param's ``row_var`` (torch's: the last dimension reduced), None for a
+    param of one dimension or none (it keeps a full ``variance`` instead)."""
+    return (*shape[:-1], 1) if len(shape) > 1 else None
+
+
+def col_var_shape(shape: torch.Size) -> tuple[int, ...] | None:
+    """The shape of a param's ``col_var`` (the second-to-last dimension reduced), or None."""
+    return (*shape[:-2], 1, shape[-1]) if len(shape) > 1 else None
+
+
+def variance_shape(shape: torch.Size) -> tuple[int, ...] | None:
+    """The shape of a param's full ``variance``: its own for one dimension or none, else None."""
+    return None if len(shape) > 1 else tuple(shape)
+
+
 def _factors(params: PyTree) -> tuple[PyTree, PyTree, PyTree]:
     leaves, spec = tree_flatten(params)
     rows: list[Tensor | None] = []
     cols: list[Tensor | None] = []
     full: list[Tensor | None] = []
     for p in leaves:
-        if p is not None and p.dim() > 1:
-            rows.append(p.new_zeros((*p.shape[:-1], 1)))
-            cols.append(p.new_zeros((*p.shape[:-2], 1, p.shape[-1])))
-            full.append(None)
-        else:
-            rows.append(None)
-            cols.append(None)
-            full.append(None if p is None else torch.zeros_like(p))
+        row = None if p is None else row_var_shape(p.shape)
+        col = None if p is None else col_var_shape(p.shape)
+        rows.append(None if row is None else p.new_zeros(row))
+        cols.append(None if col is None else p.new_zeros(col))
+        full.append(None if p is None or row is not None else torch.zeros_like(p))
     return spec.unflatten(rows), spec.unflatten(cols), spec.unflatten(full)
 
 
