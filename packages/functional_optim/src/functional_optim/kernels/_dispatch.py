@@ -12,28 +12,36 @@ from torch import Tensor
 IMPLS = ("auto", "single", "foreach", "fused")
 
 
-def _fused_devices() -> List[str]:
-    # torch's _get_fused_kernels_supported_devices() with the default private-use backend name.
-    return ["mps", "cuda", "xpu", "hpu", "cpu", "mtia", "privateuseone"]
+def _fused_devices(fused_on_cuda: bool = True) -> List[str]:
+    # torch's _get_fused_kernels_supported_devices() with the default private-use backend name;
+    # without "cuda" for an algorithm whose fused kernel is CPU-only (torch's Adagrad).
+    devices = ["mps", "cuda", "xpu", "hpu", "cpu", "mtia", "privateuseone"]
+    if not fused_on_cuda:
+        devices.remove("cuda")
+    return devices
 
 
-def _first_unfused(params: List[Tensor]) -> int:
+def _first_unfused(params: List[Tensor], fused_on_cuda: bool = True) -> int:
     """Index of the first param a fused kernel cannot take (-1 if none).
 
     torch's fused kernels need dense floating-point (not complex) tensors on a supported device.
     """
-    devices = _fused_devices()
+    devices = _fused_devices(fused_on_cuda)
     for i in range(len(params)):
         p = params[i]
         if not p.is_floating_point() or p.is_sparse:
             return i
         # is_cpu/is_cuda first: cheaper than building p.device per tensor (1000s per step)
-        if not (p.is_cpu or p.is_cuda) and p.device.type not in devices:
+        if p.is_cpu or (p.is_cuda and fused_on_cuda):
+            continue
+        if p.device.type not in devices:
             return i
     return -1
 
 
-def resolve_impl(impl: str, params: List[Tensor], has_fused: bool) -> str:
+def resolve_impl(
+    impl: str, params: List[Tensor], has_fused: bool, fused_on_cuda: bool = True
+) -> str:
     """Map ``impl`` (``auto``/``single``/``foreach``/``fused``) to the path to run.
 
     ``auto`` picks ``fused`` when the algorithm has a fused kernel and every param can use it
@@ -44,6 +52,7 @@ def resolve_impl(impl: str, params: List[Tensor], has_fused: bool) -> str:
         impl: the requested implementation; ``auto`` picks the fastest for the device.
         params: the parameters to be updated (only their device, dtype and layout are read).
         has_fused: whether torch has a fused kernel for this algorithm.
+        fused_on_cuda: whether that kernel runs on CUDA (torch's Adagrad: CPU only).
 
     Returns:
         One of ``single``, ``foreach`` or ``fused``.
@@ -62,13 +71,15 @@ def resolve_impl(impl: str, params: List[Tensor], has_fused: bool) -> str:
             raise ValueError(
                 "impl='fused': this algorithm has no fused kernel; use 'single' or 'foreach'"
             )
-        bad = _first_unfused(params)
+        bad = _first_unfused(params, fused_on_cuda)
         if bad >= 0:
             p = params[bad]
+            names = ", ".join(["'" + d + "'" for d in _fused_devices(fused_on_cuda)])
             raise RuntimeError(
                 "`fused=True` requires all the params to be floating point Tensors of "
-                + "supported devices: ['mps', 'cuda', 'xpu', 'hpu', 'cpu', 'mtia', "
-                + "'privateuseone'] but "
+                + "supported devices: ["
+                + names
+                + "] but "
                 + str(p.dtype)
                 + " and "
                 + p.device.type
@@ -78,7 +89,7 @@ def resolve_impl(impl: str, params: List[Tensor], has_fused: bool) -> str:
         return impl
     if len(params) == 0:
         return "single"
-    if has_fused and _first_unfused(params) < 0:
+    if has_fused and _first_unfused(params, fused_on_cuda) < 0:
         return "fused"
     if params[0].device.type == "cpu":
         return "single"

@@ -294,7 +294,11 @@ def adagrad(
         RuntimeError: see :func:`adagrad_single` and :func:`adagrad_fused`.
     """
     # resolve_impl looks at the params only; fused cannot take sparse gradients.
-    path = "single" if impl == "auto" and has_sparse(grads) else resolve_impl(impl, params, True)
+    # torch's fused Adagrad is CPU-only: ``auto`` takes foreach on CUDA, ``fused`` is refused.
+    if impl == "auto" and has_sparse(grads):
+        path = "single"
+    else:
+        path = resolve_impl(impl, params, True, False)
     if path == "fused":
         adagrad_fused(
             params, grads, state_sums, state_steps, lr, weight_decay, lr_decay, eps, maximize

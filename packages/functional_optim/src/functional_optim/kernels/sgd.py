@@ -116,6 +116,34 @@ def sgd_foreach(
                 g_params[j].add_(g_grads[j], alpha=-lr)
 
 
+def _sgd_loop_into(
+    params: List[Tensor],
+    grads: List[Tensor],
+    bufs: List[Tensor],
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+    is_first_step: bool,
+) -> None:
+    """torch's per-tensor SGD into the fused path's buffers.
+
+    torch 2.13's fused CPU SGD with momentum reads memory it never wrote in bfloat16 and float16
+    (two identical runs give different params), so those groups take torch's loop instead.
+    """
+    loop_bufs: List[Optional[Tensor]] = []
+    for buf in bufs:
+        loop_bufs.append(None if is_first_step else buf)
+    sgd_single(params, grads, loop_bufs, lr, momentum, dampening, weight_decay, nesterov, maximize)
+    if is_first_step:
+        for j in range(len(bufs)):
+            new_buf = loop_bufs[j]
+            if new_buf is not None:
+                bufs[j].copy_(new_buf)
+
+
 def _sgd_fused_call(
     params: List[Tensor],
     grads: List[Tensor],
@@ -132,6 +160,13 @@ def _sgd_fused_call(
         g_bufs: List[Tensor] = []
         if momentum != 0:
             g_bufs = take(bufs, idx)
+            first = params[idx[0]]
+            if first.is_cpu and (first.dtype == torch.bfloat16 or first.dtype == torch.float16):
+                _sgd_loop_into(
+                    take(params, idx), take(grads, idx), g_bufs, lr, momentum, dampening,
+                    weight_decay, nesterov, maximize, is_first_step,
+                )  # fmt: skip
+                continue
         torch._fused_sgd_(
             take(params, idx),
             take(grads, idx),
