@@ -50,6 +50,7 @@ Transforms without ``lists`` still work everywhere: a chain that holds one has n
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 import optree
@@ -64,6 +65,9 @@ from functional_optim._tree import (
     tree_flatten,
     tree_leaves,
 )
+
+_DEVICE = attrgetter("device")
+_DTYPE = attrgetter("dtype")
 
 __all__ = [
     "LeafView",
@@ -164,6 +168,8 @@ class LeafView:
 
 def by_device_dtype(tensors: Sequence[Tensor]) -> list[list[int]]:
     """Positions of ``tensors`` grouped by (device, dtype), in first-seen order."""
+    if len(set(map(_DEVICE, tensors))) <= 1 and len(set(map(_DTYPE, tensors))) <= 1:
+        return [list(range(len(tensors)))] if tensors else []  # one group: two C-level passes
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)

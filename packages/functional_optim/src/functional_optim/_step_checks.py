@@ -328,9 +328,10 @@ class StepChecker:
     are dropped and the streak to rebuild them doubles (building costs about 15 full checks),
     so lists that keep changing do not pay for guards they cannot use.
 
-    The entries are keyed by the layout and the first and last params' shapes (so that two
-    optimizers do not evict each other's guards); the key proves nothing: a match of the
-    guards is a match of metadata the full check accepted, whichever step it came from.
+    The entries are keyed by the layout and a few properties of the first and last params (so
+    that two optimizers, or ``fo.Optimizer`` and ``pure_step`` over one model, keep guards of
+    their own); the key proves nothing: a match of the guards is a match of metadata the full
+    check accepted, whichever step it came from.
     """
 
     #: Passed full checks of one layout before its guards are built.
@@ -354,8 +355,7 @@ class StepChecker:
         they hold."""
         lists = [params, grads, *(tensors for _, _, tensors in buffers)]
         kinds = tuple((name, shape) for name, shape, _ in buffers)
-        ends = (params[0].shape, params[-1].shape) if params else ()
-        key = (rules, meta, kinds, tuple(map(len, lists)), ends)
+        key = (rules, meta, kinds, tuple(map(len, lists)), _caller(params))
         seen = self._seen.get(key)
         if seen is not None and seen.guards is not None:
             if _hold(seen.guards, lists):
@@ -372,6 +372,15 @@ class StepChecker:
             seen.guards = _guards(lists)
             seen.uniform = uniform
         return uniform
+
+
+def _caller(params: Sequence[Tensor]) -> tuple[object, ...]:
+    """What tells two callers of one layout apart (``fo.Optimizer``'s params require grad,
+    ``tx.step``'s need not), read from the first and last params only."""
+    if not params:
+        return ()
+    first, last = params[0], params[-1]
+    return (first.shape, first.dtype, first.device, first.requires_grad, last.shape)
 
 
 def _guards(lists: Sequence[Sequence[Tensor | None]]) -> list[Any] | None:
