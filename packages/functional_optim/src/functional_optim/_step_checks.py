@@ -122,7 +122,9 @@ def check_step(
         return True
     shapes = list(map(_size, params))
     if list(map(_size, grads)) != shapes:
-        _raise_mismatch(rules.owner, "the gradient", shapes, list(map(_size, grads)))
+        _raise_first_difference(
+            shapes, list(map(_size, grads)), _size_error, rules.owner, "the gradient"
+        )
     devices = list(map(_device, params))
     if list(map(_device, grads)) != devices or (not meta and _META in devices):
         _raise_device(rules.owner, devices, list(map(_device, grads)), meta)
@@ -134,7 +136,9 @@ def check_step(
     dtypes = list(map(_dtype, params))
     uniform = list(map(_dtype, grads)) == dtypes
     if not uniform and not rules.promotes:
-        _raise_dtype(rules.owner, "the gradient", dtypes, list(map(_dtype, grads)))
+        _raise_first_difference(
+            dtypes, list(map(_dtype, grads)), _dtype_error, rules.owner, "the gradient"
+        )
     for name, shape, tensors in buffers:
         if len(tensors) != len(shapes):
             raise RuntimeError(
@@ -162,12 +166,17 @@ def _size_error(owner: str, what: str, i: int, got: torch.Size, shape: torch.Siz
     )
 
 
-def _raise_mismatch(
-    owner: str, what: str, shapes: Sequence[torch.Size], got: Sequence[torch.Size]
+def _raise_first_difference(
+    expected: Sequence[Any],
+    got: Sequence[Any],
+    error: Callable[[str, str, int, Any, Any], RuntimeError],
+    owner: str,
+    what: str,
 ) -> None:
-    for i, (shape, other) in enumerate(zip(shapes, got, strict=True)):
-        if other != shape:
-            raise _size_error(owner, what, i, other, shape)
+    """Raise ``error(owner, what, i, got[i], expected[i])`` for the first ``i`` that differs."""
+    for i, (want, other) in enumerate(zip(expected, got, strict=True)):
+        if other != want:
+            raise error(owner, what, i, other, want)
 
 
 def _raise_device(
@@ -193,14 +202,6 @@ def _dtype_error(
         f"{owner}: {what} of param {i} has dtype {got} but the param has {dtype}; this step "
         "takes one dtype: cast it to the param's dtype"
     )
-
-
-def _raise_dtype(
-    owner: str, what: str, dtypes: Sequence[torch.dtype], got: Sequence[torch.dtype]
-) -> None:
-    for i, (dtype, other) in enumerate(zip(dtypes, got, strict=True)):
-        if other != dtype:
-            raise _dtype_error(owner, what, i, other, dtype)
 
 
 def _check_like(
