@@ -55,16 +55,34 @@ def typecheck(session: nox.Session) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """pytest over tests/ (distributed tests included; GPU tests skip without CUDA)."""
+    # compat_api's [examples] extra: what the examples the tests run import (scikit-learn, rich,
+    # matplotlib, numpy).
     _install_workspace(
-        session, "pytest", "pytest-timeout", "hypothesis", "scikit-learn", "rich", "matplotlib"
+        session, "-e", "packages/compat_api[examples]", "pytest", "pytest-timeout", "hypothesis"
     )
     session.run("pytest", *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session
+def compile(session: nox.Session) -> None:
+    """torch.compile (aot_eager) of every alias, against eager: the full compile matrix."""
+    _install_workspace(session, "pytest", "pytest-timeout", "hypothesis")
+    session.run(
+        "pytest",
+        "tests/functional_optim/test_compile.py",
+        "-m",
+        "compile or compile_matrix",
+        "-s",
+        *session.posargs,
+        env={"OMP_NUM_THREADS": "1"},
+    )
+
+
+@nox.session
 def demo(session: nox.Session) -> None:
     """Train a digits classifier on 2 processes: ZeRO, post-local SGD, RPC optimizer."""
-    _install_workspace(session, "scikit-learn", "rich", "matplotlib")
+    # compat_api's [examples] extra: scikit-learn (the digits), rich, matplotlib, numpy.
+    _install_workspace(session, "-e", "packages/compat_api[examples]")
     session.run("python", "examples/demo.py", *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 

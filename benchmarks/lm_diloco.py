@@ -13,7 +13,7 @@ with the same learning-rate schedule (linear warm-up, cosine decay):
 - **DiLoCo**: ``compat_api``'s ``DiLoCoAverager`` every ``H`` steps, outer Nesterov SGD with
   lr 1.0 and momentum 0.5 (Douillard et al. 2023 use lr 0.7, momentum 0.9, tuned for 8 replicas
   over many outer steps; with 2-4 ranks and 20-40 outer steps that momentum overshoots: the
-  sweep in the README chose lr 1.0, momentum 0.5); **streaming**: ``P`` fragments on
+  sweep in docs/benchmarks.md chose lr 1.0, momentum 0.5); **streaming**: ``P`` fragments on
   staggered schedules with the all-reduce overlapped; **int8**: the outer gradients sent as
   int8. The three DiLoCo methods copy the starting model at construction
   (``DiLoCoAverager(params=...)``): the ranks start from the same weights, so there is no
@@ -76,7 +76,7 @@ class Config:
     eval_windows: int
     corpus_bytes: int
     outer_lr: float = 1.0  # DiLoCo's outer SGD (every DiLoCo method)
-    outer_momentum: float = 0.5  # the paper's 0.9 overshoots here (README, the sweep)
+    outer_momentum: float = 0.5  # the paper's 0.9 overshoots here (docs/benchmarks.md, the sweep)
     nesterov: bool = True
     seed: int = 0
 

@@ -19,15 +19,16 @@ Each run records the bytes every rank has sent after each step, for the loss-vs-
 The averager's default outer step (lr 0.7, momentum 0.9, Douillard et al.) was tuned for 8
 replicas over many outer steps; with 2 ranks and about 25 outer steps its momentum overshoots
 (on the digits: DiLoCo 94.99% accuracy against DDP's 97.49%, 2026-11-23), so the two DiLoCo
-runs here use momentum 0.5 (97.49%), as ``benchmarks/lm_diloco.py``'s sweep found (README).
+runs here use momentum 0.5 (97.49%), as ``benchmarks/lm_diloco.py``'s sweep found
+(docs/benchmarks.md).
 
 Elastic mode (``--checkpoint-dir``) trains one DiLoCo run (``--elastic-variant``: Streaming
 DiLoCo int8 by default, or plain DiLoCo) and survives failures: every ``--checkpoint-every``
 steps each rank saves its parameters, its AdamW state and the averager's state (step, synced
 copy, outer Nesterov momentum, int8 error feedback, in-flight mean); a restart resumes from the
 latest committed checkpoint at whatever world size torchrun gives, rank ``r`` taking all of it
-from saved rank ``r % saved_world_size`` (see :func:`run_diloco_elastic` and README,
-"Surviving failures")::
+from saved rank ``r % saved_world_size`` (see :func:`run_diloco_elastic` and
+docs/elastic.md)::
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --nproc-per-node 1 \
         --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29400 --max-restarts 3 \
@@ -92,7 +93,8 @@ from compat_api.post_localSGD_optimizer import PostLocalSGDOptimizer
 PHASE = "4 DiLoCo"
 # Outer Nesterov SGD (lr, momentum) of the side-by-side DiLoCo runs. The paper's (0.7, 0.9) was
 # tuned for 8 replicas over many outer steps; with 2-4 ranks and a few dozen outer steps its
-# momentum overshoots (benchmarks/lm_diloco.py's sweep, README), so this uses momentum 0.5.
+# momentum overshoots (benchmarks/lm_diloco.py's sweep, docs/benchmarks.md), so this uses
+# momentum 0.5.
 OUTER = (0.7, 0.5)
 WEIGHT_DECAY = 0.01
 

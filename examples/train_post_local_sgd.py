@@ -12,7 +12,7 @@ Elastic mode (``--checkpoint-dir``) trains our post-local SGD only and survives 
 ``--checkpoint-every`` steps each rank saves its replica (parameters and momentum, which differ
 between averagings) and the step; a restart resumes from the latest committed checkpoint at
 whatever world size torchrun gives, rank ``r`` taking the replica of saved rank
-``r % saved_world_size`` (see README, "Surviving failures")::
+``r % saved_world_size`` (see docs/elastic.md)::
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --nproc-per-node 1 \
         --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29400 --max-restarts 3 \

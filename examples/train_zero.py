@@ -9,7 +9,7 @@ coincide; each rank keeps Adam's state only for the parameters it owns.
 
 Elastic mode (``--checkpoint-dir``) trains our side only and survives failures: it saves a
 sharded checkpoint every ``--checkpoint-every`` steps and resumes from the latest committed one
-at whatever world size torchrun restarts it with (see README, "Surviving failures")::
+at whatever world size torchrun restarts it with (see docs/elastic.md)::
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --nproc-per-node 1 \
         --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29400 --max-restarts 3 \
