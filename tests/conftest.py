@@ -30,7 +30,13 @@ torch.backends.cudnn.allow_tf32 = False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip tests marked ``gpu`` when CUDA is absent (they run for real where a GPU is lent)."""
+    """Leave out the ``compile_matrix`` set unless ``-m`` asks for it (``nox -s compile``);
+    skip tests marked ``gpu`` when CUDA is absent (they run for real where a GPU is lent)."""
+    if "compile_matrix" not in (config.getoption("markexpr", "") or ""):
+        matrix = [item for item in items if "compile_matrix" in item.keywords]
+        if matrix:
+            config.hook.pytest_deselected(items=matrix)
+            items[:] = [item for item in items if "compile_matrix" not in item.keywords]
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

@@ -211,8 +211,11 @@ def test_defaults_match_torch(entry: Any) -> None:
     for name, param in ours.items():
         assert name in theirs, f"{entry.name}: torch has no argument {name!r}"
         assert param.default == theirs[name].default, f"{entry.name}.{name}"
-    state = entry.alias().init(entry.params(torch.float32)[:1])
-    assert set(state.hyperparams) == set(ours)
+    params = entry.params(torch.float32)[:1]
+    state = entry.alias().init(params)
+    # torch's param-group keys: its arguments, and AdamW's decoupled_weight_decay=True
+    groups = entry.torch_cls([p.clone() for p in params]).param_groups
+    assert set(state.hyperparams) == set(groups[0]) - {"params"}
 
 
 def test_schedule_lr_in_alias_matches_manual_lr() -> None:

@@ -9,6 +9,7 @@ reference to float64 rounding. A few cross-checks run torch.optim where the algo
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -369,6 +370,33 @@ def test_noisy_sgd_noise_has_optax_variance_and_replays_from_the_seed() -> None:
     assert not torch.equal(other[0], first[0])
 
 
+def test_noisy_sgd_takes_optax_key() -> None:
+    # optax 0.2.8: noisy_sgd(learning_rate, eta=0.01, gamma=0.55, key=None, *, seed=None)
+    params = inspect.signature(fo.noisy_sgd).parameters
+    assert list(params) == ["learning_rate", "eta", "gamma", "key", "seed"]
+    assert (params["eta"].default, params["gamma"].default) == (0.01, 0.55)
+    assert params["key"].default is None
+    assert params["seed"].default is None
+    assert params["seed"].kind is inspect.Parameter.KEYWORD_ONLY
+    zeros = [torch.zeros(256, dtype=torch.float64)]
+
+    def first_update(tx: fo.GradientTransformation) -> Tensor:
+        updates, _ = tx.update(zeros, tx.init(zeros), zeros)
+        return updates[0]
+
+    by_seed = first_update(fo.noisy_sgd(0.5, seed=7))
+    assert torch.equal(first_update(fo.noisy_sgd(0.5, key=7)), by_seed)
+    assert torch.equal(first_update(fo.noisy_sgd(0.5, 0.01, 0.55, 7)), by_seed)
+    assert torch.equal(first_update(fo.noisy_sgd(0.5)), first_update(fo.noisy_sgd(0.5, key=0)))
+    drawn = int(torch.randint(0, 2**62, (), generator=torch.Generator().manual_seed(3)))
+    gen = torch.Generator().manual_seed(3)
+    assert torch.equal(
+        first_update(fo.noisy_sgd(0.5, key=gen)), first_update(fo.noisy_sgd(0.5, seed=drawn))
+    )
+    with pytest.raises(TypeError, match="not both"):
+        fo.noisy_sgd(0.5, key=1, seed=1)
+
+
 def test_schedule_free_eval_params_recovers_x() -> None:
     params = {"w": torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)}
     tx = fo.schedule_free_sgd(0.1, b1=0.9)
@@ -405,15 +433,34 @@ def test_bad_hyperparameters_raise_at_construction(call: Callable[[], Any], matc
 
 
 def test_optimizer_exposes_optax_hyperparameters() -> None:
+    """optax's ``learning_rate`` is the param group's ``lr`` (torch's key, which schedulers
+    drive); the other hyperparameters keep their names."""
     w = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
     opt = fo.Optimizer([w], fo.lion(0.1, weight_decay=0.0))
-    assert opt.param_groups[0]["learning_rate"] == 0.1
+    group = opt.param_groups[0]
+    assert group["lr"] == 0.1
+    assert "learning_rate" not in group
+    assert group["b1"] == 0.9
     w.grad = torch.ones(3, dtype=torch.float64)
     opt.step()
-    opt.param_groups[0]["learning_rate"] = 0.5
+    group["lr"] = 0.5
     w.grad = torch.ones(3, dtype=torch.float64)
     opt.step()
     torch.testing.assert_close(w.detach(), torch.full((3,), 1 - 0.1 - 0.5, dtype=torch.float64))
+
+
+def test_lr_scheduler_drives_an_optax_alias() -> None:
+    """StepLR on fo.lion halves the step each time (sign updates: the step is the lr)."""
+    w = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    opt = fo.Optimizer([w], fo.lion(0.4, weight_decay=0.0))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(3):
+        w.grad = torch.ones(2, dtype=torch.float64)
+        opt.step()
+        sched.step()
+    torch.testing.assert_close(
+        w.detach(), torch.full((2,), -(0.4 + 0.2 + 0.1), dtype=torch.float64)
+    )
 
 
 def _state_tensors(state: object) -> list[Tensor]:

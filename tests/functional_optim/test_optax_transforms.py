@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import pytest
@@ -225,3 +226,62 @@ def test_transform_is_differentiable(name: str) -> None:
     g = torch.func.grad(f)(s0)
     fd = (f(s0 + 1e-4) - f(s0 - 1e-4)) / 2e-4  # f is ~100: a smaller step drowns in rounding
     assert float(g) == pytest.approx(float(fd), rel=1e-5, abs=1e-9)
+
+
+def _noise(tx: fo.GradientTransformation, steps: int = 2) -> list[Tensor]:
+    zeros = [torch.zeros(64, dtype=torch.float64), torch.zeros(3, 2, dtype=torch.float64)]
+    state = tx.init(zeros)
+    out: list[Tensor] = []
+    for _ in range(steps):
+        updates, state = tx.update(zeros, state, zeros)
+        out.extend(updates)
+    return out
+
+
+def _same(a: list[Tensor], b: list[Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_add_noise_takes_optax_key_as_the_seed() -> None:
+    # optax 0.2.8: add_noise(eta, gamma, key=None, *, seed=None)
+    params = inspect.signature(fo.add_noise).parameters
+    assert list(params) == ["eta", "gamma", "key", "seed"]
+    assert params["key"].default is None
+    assert params["seed"].default is None
+    assert params["seed"].kind is inspect.Parameter.KEYWORD_ONLY
+    by_seed = _noise(fo.add_noise(0.3, 0.55, seed=5))
+    assert _same(_noise(fo.add_noise(0.3, 0.55, key=5)), by_seed)
+    assert _same(_noise(fo.add_noise(0.3, 0.55, 5)), by_seed)  # positional, as before
+    assert _same(_noise(fo.add_noise(0.3, 0.55, key=torch.tensor(5))), by_seed)
+    assert not _same(_noise(fo.add_noise(0.3, 0.55, key=6)), by_seed)
+    assert _same(_noise(fo.add_noise(0.3, 0.55)), _noise(fo.add_noise(0.3, 0.55, key=0)))
+
+
+def test_add_noise_key_can_be_a_generator_it_draws_the_seed_from() -> None:
+    seed = int(torch.randint(0, 2**62, (), generator=torch.Generator().manual_seed(11)))
+    gen = torch.Generator().manual_seed(11)
+    first = _noise(fo.add_noise(0.3, 0.55, key=gen))
+    assert _same(first, _noise(fo.add_noise(0.3, 0.55, seed=seed)))
+    assert _same(first, _noise(fo.add_noise(0.3, 0.55, key=torch.Generator().manual_seed(11))))
+    # the generator moved on: a second transform from it draws other noise
+    assert not _same(_noise(fo.add_noise(0.3, 0.55, key=gen)), first)
+    tx = fo.add_noise(0.3, 0.55, key=torch.Generator().manual_seed(11))
+    assert int(tx.init([torch.zeros(1)]).rng_key) == seed
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: fo.add_noise(0.1, 0.5, key=1, seed=1), "not both"),
+        (lambda: fo.add_noise(0.1, 0.5, 1, seed=2), "not both"),
+        (lambda: fo.add_noise(0.1, 0.5, key=1.5), "got float"),  # type: ignore[arg-type]
+        (lambda: fo.add_noise(0.1, 0.5, key=True), "got bool"),
+        (lambda: fo.add_noise(0.1, 0.5, key="0"), "got str"),  # type: ignore[arg-type]
+        (lambda: fo.add_noise(0.1, 0.5, key=torch.tensor([1, 2])), "shape"),
+        (lambda: fo.add_noise(0.1, 0.5, seed=torch.tensor(1.0)), "torch.float32 tensor"),
+        (lambda: fo.add_noise(0.1, 0.5, key=torch.tensor(True)), "torch.bool tensor"),
+    ],
+)
+def test_add_noise_refuses_a_bad_key(call: Callable[[], object], match: str) -> None:
+    with pytest.raises(TypeError, match=match):
+        call()

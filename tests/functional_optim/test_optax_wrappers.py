@@ -3,6 +3,7 @@ lookahead; bad input raises before anything is mutated."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -348,3 +349,107 @@ def test_optimizer_state_dict_round_trip_resumes_bitwise(name: str) -> None:
     opt2.step()
     for a, b in zip(ws, ws2, strict=True):
         assert torch.equal(a, b)
+
+
+def test_multi_steps_takes_optax_arguments() -> None:
+    params = inspect.signature(fo.MultiSteps).parameters
+    assert list(params) == [
+        "opt", "every_k_schedule", "use_grad_mean", "should_skip_update_fn", "accumulator_dtype",
+    ]  # fmt: skip
+    assert params["accumulator_dtype"].default is None
+    for bad in (torch.int32, torch.bool, "float64", float):
+        with pytest.raises(TypeError, match="accumulator_dtype"):
+            fo.MultiSteps(fo.sgd(), 2, accumulator_dtype=bad)  # type: ignore[arg-type]
+
+
+# 1 + 2**-24 + 2**-24: float32 rounds each partial sum back to 1 (2**-24 is half an ulp of 1),
+# float64 holds 1 + 2**-23, which float32 represents.
+HALF_ULP_GRADS = (1.0, 2.0**-24, 2.0**-24)
+
+
+@pytest.mark.parametrize(
+    ("accumulator_dtype", "expected"),
+    [(None, 1.0), (torch.float32, 1.0), (torch.float64, 1.0 + 2.0**-23)],
+    ids=["none", "float32", "float64"],
+)
+@pytest.mark.parametrize("inplace", [False, True], ids=["pure", "inplace"])
+def test_multi_steps_accumulates_in_accumulator_dtype(
+    accumulator_dtype: torch.dtype | None, expected: float, inplace: bool
+) -> None:
+    params = {"w": torch.zeros(2, dtype=torch.float32), "b": torch.zeros((), dtype=torch.float32)}
+    ms = fo.MultiSteps(fo.sgd(lr=1.0), 3, use_grad_mean=False, accumulator_dtype=accumulator_dtype)
+    state = ms.init(params)
+    acc_dtype = accumulator_dtype or torch.float32
+    assert {a.dtype for a in state.acc_grads.values()} == {acc_dtype}
+    for g in HALF_ULP_GRADS:
+        grads = {"w": torch.full((2,), g, dtype=torch.float32), "b": torch.tensor(g)}
+        out, state = ms.update(grads, state, params, inplace=inplace)
+        assert {a.dtype for a in state.acc_grads.values()} == {acc_dtype}
+        assert {u.dtype for u in out.values()} == {torch.float32}  # the updates' dtype
+    assert ms.has_updated(state)
+    assert torch.equal(out["w"], torch.full((2,), -expected, dtype=torch.float32))
+    assert float(out["b"]) == -expected
+
+
+@pytest.mark.parametrize(
+    ("accumulator_dtype", "expected"),
+    [(None, 1.0), (torch.float64, 1.0 + 2.0**-23)],
+    ids=["none", "float64"],
+)
+@pytest.mark.parametrize("inner_step", [True, False], ids=["inner step", "no inner step"])
+def test_multi_steps_step_accumulates_in_accumulator_dtype(
+    accumulator_dtype: torch.dtype | None, expected: float, inner_step: bool
+) -> None:
+    inner = fo.sgd(lr=1.0) if inner_step else _without_step(fo.sgd(lr=1.0))
+    tx = fo.MultiSteps(
+        inner, 3, use_grad_mean=False, accumulator_dtype=accumulator_dtype
+    ).gradient_transformation()
+    assert tx.step is not None
+    w = torch.nn.Parameter(torch.full((4,), 3.0, dtype=torch.float32))
+    opt = fo.Optimizer([w], tx)
+    for g in HALF_ULP_GRADS:
+        w.grad = torch.full((4,), g, dtype=torch.float32)
+        opt.step()
+    assert w.dtype == torch.float32
+    assert torch.equal(w.detach(), torch.full((4,), 3.0 - expected, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("use_grad_mean", [False, True], ids=["sum", "mean"])
+def test_multi_steps_float64_accumulators_step_matches_update(use_grad_mean: bool) -> None:
+    """float32 params, float64 accumulators: ``step`` and ``update(inplace=True)`` +
+    ``apply_updates`` agree (bitwise for a sum; to float64 rounding, cast once, for a mean)."""
+    ms = fo.MultiSteps(
+        _without_step(fo.sgd(lr=0.5, momentum=0.9)),
+        2,
+        use_grad_mean=use_grad_mean,
+        accumulator_dtype=torch.float64,
+    )
+    tx = ms.gradient_transformation()
+    assert tx.step is not None
+    gen = torch.Generator().manual_seed(5)
+    params = [torch.randn(3, 2, generator=gen), torch.randn(4, generator=gen)]
+    ours, ref = [p.clone() for p in params], [p.clone() for p in params]
+    state, ref_state = tx.init(ours), tx.init(ref)
+    for _ in range(6):
+        grads: list[Tensor | None] = [torch.randn(p.shape, generator=gen) for p in params]
+        ref_grads = [None if g is None else g.clone() for g in grads]
+        state = tx.step(ours, grads, state)
+        updates, ref_state = tx.update(ref_grads, ref_state, ref, inplace=True)
+        fo.apply_updates(ref, updates, inplace=True)
+        assert {a.dtype for a in state.acc_grads} == {torch.float64}
+        assert {a.dtype for a in ref_state.acc_grads} == {torch.float64}
+        tol = (0.0, 0.0) if not use_grad_mean else (1e-6, 1e-7)
+        assert_tensors_equal(ours, ref, *tol, what="params")
+    assert int(state.gradient_step) == 3
+
+
+def test_multi_steps_complex_params_keep_complex_accumulators() -> None:
+    params = [torch.zeros(2, dtype=torch.complex64), torch.zeros(2)]
+    ms = fo.MultiSteps(fo.sgd(lr=1.0), 2, accumulator_dtype=torch.float64)
+    state = ms.init(params)
+    assert [a.dtype for a in state.acc_grads] == [torch.complex128, torch.float64]
+    grads = [torch.tensor([1 + 2j, 3j], dtype=torch.complex64), torch.ones(2)]
+    _, state = ms.update(grads, state, params)
+    out, state = ms.update(grads, state, params)
+    assert out[0].dtype == torch.complex64
+    assert torch.equal(out[0], -grads[0])

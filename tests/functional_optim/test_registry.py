@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import pathlib
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -12,8 +13,20 @@ import torch
 import compat_api
 import functional_optim as fo
 from functional_optim._aliases._kernel_step import SPECS, fused
-from functional_optim._registry import BY_NAME, by_torch_name, torch_state_names
+from functional_optim._registry import (
+    BUILTIN_ALGORITHMS,
+    BY_NAME,
+    by_torch_name,
+    torch_state_names,
+)
 from functional_optim._torch_state import _TORCH_NAMES
+
+
+def test_algorithms_is_one_live_table() -> None:
+    assert isinstance(fo.ALGORITHMS, fo.AlgorithmTable)
+    assert tuple(fo.ALGORITHMS[: len(BUILTIN_ALGORITHMS)]) == BUILTIN_ALGORITHMS
+    assert fo.ALGORITHMS[0] is BUILTIN_ALGORITHMS[0]
+    assert "adam" in repr(fo.ALGORITHMS)
 
 
 def test_names_are_unique_and_torch_classes_exist() -> None:
@@ -27,16 +40,34 @@ def test_names_are_unique_and_torch_classes_exist() -> None:
         by_torch_name("LBFGSX")
 
 
-@pytest.mark.parametrize("algorithm", fo.ALGORITHMS, ids=lambda a: a.name)
-def test_every_part_is_exported(algorithm: fo.Algorithm) -> None:
-    parts = [algorithm.alias, algorithm.transform, algorithm.state_type]
+def _parts(algorithm: fo.Algorithm) -> list[Any]:
+    parts: list[Any] = [algorithm.alias, algorithm.transform, algorithm.state_type]
     if algorithm.functional is not None:
         parts.append(algorithm.functional)
-    for part in parts:
+    return parts
+
+
+@pytest.mark.parametrize("algorithm", BUILTIN_ALGORITHMS, ids=lambda a: a.name)
+def test_every_part_is_exported(algorithm: fo.Algorithm) -> None:
+    # Static exports: bound in the module namespaces themselves (not served by __getattr__).
+    for part in _parts(algorithm):
         assert part.__name__ in fo.__all__, part.__name__
-        assert getattr(fo, part.__name__) is part
+        assert vars(fo).get(part.__name__) is part, part.__name__
     if algorithm.kernel is not None:
-        assert getattr(fo.kernels, algorithm.kernel.__name__) is algorithm.kernel
+        assert algorithm.kernel.__name__ in fo.kernels.__all__
+        assert vars(fo.kernels).get(algorithm.kernel.__name__) is algorithm.kernel
+    if algorithm.functional is not None:
+        assert algorithm.functional.__name__ in fo.functional.__all__
+        assert vars(fo.functional).get(algorithm.functional.__name__) is algorithm.functional
+
+
+def assert_reachable_at_run_time(algorithm: fo.Algorithm) -> None:
+    """An algorithm added by ``register_algorithm``: its parts are ``fo.<name>`` (the package's
+    ``__getattr__``) and listed by ``dir(fo)``."""
+    assert algorithm in fo.ALGORITHMS
+    for part in _parts(algorithm):
+        assert part.__name__ in dir(fo), part.__name__
+        assert getattr(fo, part.__name__) is part, part.__name__
 
 
 @pytest.mark.parametrize("algorithm", fo.ALGORITHMS, ids=lambda a: a.name)

@@ -4,9 +4,10 @@ The test declares what a new algorithm brings (a kernel, a transform and its sta
 ``torch.optim`` class to match) and ONE ``fo.Algorithm`` entry, registers it, and checks that
 every place the package derives from the registry now knows it without another edit: the
 generated alias with torch's names, defaults and checks, its fused ``step`` built from the
-declared kernel arguments, the exports (package, ``kernels``, ``functional``), torch's state
-names, ``compat_api``'s ``functional_optim_map`` and the parity test tables, which then run it
-against the torch class bitwise.
+declared kernel arguments, ``fo.<name>`` (the package's ``__getattr__``: a run-time algorithm
+writes into no module namespace and stays out of the static ``__all__``), torch's state names,
+``compat_api``'s ``functional_optim_map`` and the parity test tables, which then run it against
+the torch class bitwise.
 """
 
 from __future__ import annotations
@@ -168,6 +169,9 @@ def registered(monkeypatch: pytest.MonkeyPatch) -> Iterator[fo.Algorithm]:
 
 def test_nothing_knows_the_toy_before_it_is_registered() -> None:
     assert not set(NEW_NAMES) & set(fo.__all__)
+    assert not set(NEW_NAMES) & set(dir(fo))
+    for name in NEW_NAMES:
+        assert not hasattr(fo, name), name
     assert "signum" not in BY_NAME
     assert ScaleBySignumState not in _TORCH_NAMES
     assert FunctionalSignum not in compat_api.functional_optim_map.values()
@@ -175,15 +179,22 @@ def test_nothing_knows_the_toy_before_it_is_registered() -> None:
 
 def test_one_entry_exports_every_part(registered: fo.Algorithm) -> None:
     assert registered in fo.ALGORITHMS
+    assert fo.ALGORITHMS[-1] is registered
     assert BY_NAME["signum"] is registered
     for name in NEW_NAMES:
-        assert name in fo.__all__, name
+        assert name in dir(fo), name
+        assert name not in fo.__all__, name  # __all__ is the static surface
+        assert name not in vars(fo), name  # served by __getattr__, not written into the module
     assert fo.__all__ == sorted(fo.__all__)
     assert fo.scale_by_signum is scale_by_signum  # type: ignore[attr-defined]
-    assert fo.kernels.signum is signum  # type: ignore[attr-defined]
-    assert "signum" in fo.kernels.__all__
-    assert fo.functional.FunctionalSignum is FunctionalSignum  # type: ignore[attr-defined]
-    test_registry.test_every_part_is_exported(registered)
+    assert fo.FunctionalSignum is FunctionalSignum  # type: ignore[attr-defined]
+    # the kernel and the FunctionalX class are the entry's; fo.kernels / fo.functional are static
+    assert fo.ALGORITHMS[-1].kernel is signum
+    assert fo.ALGORITHMS[-1].functional is FunctionalSignum
+    assert not hasattr(fo.kernels, "signum")
+    assert "signum" not in fo.kernels.__all__
+    assert not hasattr(fo.functional, "FunctionalSignum")
+    test_registry.assert_reachable_at_run_time(registered)
 
 
 def test_generated_alias_speaks_torch_names(registered: fo.Algorithm) -> None:
@@ -221,13 +232,17 @@ def test_unregister_removes_every_trace(monkeypatch: pytest.MonkeyPatch) -> None
     fo.unregister_algorithm("signum")
     test_nothing_knows_the_toy_before_it_is_registered()
     assert not hasattr(fo, "signum")
-    assert "signum" not in fo.kernels.__all__
+    assert registered_nowhere("signum")
     with pytest.raises(KeyError, match="not added by register_algorithm"):
         fo.unregister_algorithm("adam")
 
 
+def registered_nowhere(name: str) -> bool:
+    return name not in BY_NAME and all(a.name != name for a in fo.ALGORITHMS)
+
+
 def test_bad_entries_are_refused_before_anything_changes(registered: fo.Algorithm) -> None:
-    before = (fo.ALGORITHMS, list(fo.__all__))
+    before = (tuple(fo.ALGORITHMS), list(fo.__all__), dir(fo))
     with pytest.raises(ValueError, match="already registered"):
         fo.register_algorithm(SIGNUM)
     short = SIGNUM.kernel_args[:-1]
@@ -238,7 +253,27 @@ def test_bad_entries_are_refused_before_anything_changes(registered: fo.Algorith
     clash = {ScaleBySignumState: {"count": "step", "mu": "exp_avg"}}
     with pytest.raises(ValueError, match="conflict"):
         fo.register_algorithm(_renamed(state_names=clash))
-    assert (fo.ALGORITHMS, list(fo.__all__)) == before
+
+    # a part named like a static export (another object) is refused
+    class ScaleByAdamState(NamedTuple):  # not fo.ScaleByAdamState
+        count: PyTree
+        mu: PyTree
+
+    taken = {ScaleByAdamState: {"count": "step", "mu": "buf"}}
+    with pytest.raises(ValueError, match=r"functional_optim\.ScaleByAdamState is already taken"):
+        fo.register_algorithm(_renamed(state_type=ScaleByAdamState, state_names=taken))
+    # ... and so is one another run-time algorithm exports
+    with pytest.raises(ValueError, match=r"functional_optim\.scale_by_signum is already taken"):
+        fo.register_algorithm(_renamed(transform=_other_scale_by_signum()))
+    assert (tuple(fo.ALGORITHMS), list(fo.__all__), dir(fo)) == before
+    assert registered_nowhere("signum2")
+
+
+def _other_scale_by_signum() -> Any:
+    def scale_by_signum(beta: float) -> GradientTransformation:
+        raise NotImplementedError
+
+    return scale_by_signum
 
 
 def _renamed(**changes: Any) -> fo.Algorithm:

@@ -13,9 +13,16 @@ Example::
     >>> updates, state = tx.update(grads, state, params)   # pure, differentiable
     >>> params = fo.apply_updates(params, updates)
     >>> state = tx.step(params, grads, state)              # fused kernel, in place
+
+Every public name is imported below, explicitly, so type checkers and IDEs see the whole
+surface (``__all__``). The one dynamic path is the module ``__getattr__`` at the end: the parts
+of an algorithm added at run time by :func:`register_algorithm` (a plugin) are reachable as
+``fo.<name>`` through it (see :mod:`functional_optim._registration`).
 """
 
-from functional_optim import kernels
+from typing import TYPE_CHECKING
+
+from functional_optim import _registration, kernels
 from functional_optim._aliases.adafactor import adafactor
 from functional_optim._aliases.adam import adam, adamw
 from functional_optim._aliases.adam_variants import nadam, radam
@@ -51,29 +58,27 @@ from functional_optim._base import (
 from functional_optim._lists import LeafView, ListTransform
 from functional_optim._optimizer import Optimizer
 from functional_optim._pure_step import PureStepFn, pure_step
+from functional_optim._recipes import transform_factory
 from functional_optim._registration import (
     on_algorithm_registered,
-    publish_all,
     register_algorithm,
     unregister_algorithm,
 )
-from functional_optim._registry import ALGORITHMS, Algorithm, Hyperparam
+from functional_optim._registry import ALGORITHMS, Algorithm, AlgorithmTable, Hyperparam
 from functional_optim._schedules import (
     constant_schedule,
     cosine_decay_schedule,
-    linear_schedule,
-    warmup_cosine_decay_schedule,
-)
-from functional_optim._schedules_optax import (
     cosine_onecycle_schedule,
     exponential_decay,
     join_schedules,
     linear_onecycle_schedule,
+    linear_schedule,
     piecewise_constant_schedule,
     piecewise_interpolate_schedule,
     polynomial_schedule,
     sgdr_schedule,
     warmup_constant_schedule,
+    warmup_cosine_decay_schedule,
     warmup_exponential_decay_schedule,
 )
 from functional_optim._torch_state import from_torch_state, to_torch_state
@@ -91,7 +96,7 @@ from functional_optim._transforms.adam_variants import (
     scale_by_radam,
 )
 from functional_optim._transforms.asgd import ScaleByAsgdState, scale_by_asgd
-from functional_optim._transforms.clip import clip_by_global_norm
+from functional_optim._transforms.clip import clip, clip_by_block_rms, clip_by_global_norm
 from functional_optim._transforms.hyperparams import InjectHyperparamsState, inject_hyperparams
 from functional_optim._transforms.lbfgs import LbfgsState
 from functional_optim._transforms.masking import (
@@ -128,8 +133,6 @@ from functional_optim._transforms.optax_misc import (
     ZeroNansState,
     add_noise,
     centralize,
-    clip,
-    clip_by_block_rms,
     ema,
     keep_params_nonnegative,
     scale_by_sign,
@@ -200,6 +203,7 @@ __all__ = [
     "ALGORITHMS",
     "AddNoiseState",
     "Algorithm",
+    "AlgorithmTable",
     "ApplyIfFiniteState",
     "EmaState",
     "EmptyState",
@@ -354,6 +358,7 @@ __all__ = [
     "sparse_adam",
     "to_torch_state",
     "trace",
+    "transform_factory",
     "tree_add",
     "tree_global_norm",
     "tree_map",
@@ -368,6 +373,12 @@ __all__ = [
     "zero_nans",
 ]
 
-# Every registry entry's alias, transform, state, kernel and FunctionalX class is exported (an
-# entry needs no import above; one there only gives static type checkers the name).
-publish_all()
+if not TYPE_CHECKING:  # run time only: static tools keep flagging unknown names
+
+    def __getattr__(name: str) -> object:
+        """The alias, transform, state type or ``FunctionalX`` class of an algorithm added at
+        run time by :func:`register_algorithm` (they are not in ``__all__``)."""
+        return _registration.runtime_export(name)
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *_registration.runtime_export_names()})

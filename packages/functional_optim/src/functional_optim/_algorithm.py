@@ -77,8 +77,8 @@ class Algorithm:
             ``centered``: torch's ``lerp_`` takes one dtype).
         needs_closure: ``step`` takes a closure in place of the gradients (LBFGS); driven by
             ``fo.Optimizer.step(closure)``.
-        torch_only_args: torch constructor arguments the alias leaves out (implementation
-            switches such as ``foreach``).
+        torch_only_args: torch constructor arguments a generated alias leaves out
+            (implementation switches such as ``foreach``; the built-in aliases take them all).
         doc: the generated alias's docstring.
     """
 

@@ -34,6 +34,7 @@ from functional_optim._lists import (
     recording,
     run_pure,
 )
+from functional_optim._recipes import recipe_of, remake, transform_factory
 from functional_optim._tree import PyTree, leaves_like, tree_flatten, tree_unflatten
 
 __all__ = [
@@ -91,6 +92,17 @@ class GradientTransformation(NamedTuple):
     step: StepFn | None = None
     lists: ListTransform | None = None
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle as the factory call that made this transform (see ``_recipes``)."""
+        return (remake, recipe_of(self))
+
+    def __copy__(self) -> GradientTransformation:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GradientTransformation:
+        """Transforms are immutable (their state is separate): a copy is the same one."""
+        return self
+
 
 class EmptyState(NamedTuple):
     """State of a stateless transform."""
@@ -102,6 +114,7 @@ def init_empty(params: PyTree) -> EmptyState:
     return EmptyState()
 
 
+@transform_factory
 def identity() -> GradientTransformation:
     """Return a transform that leaves updates unchanged.
 
@@ -127,6 +140,7 @@ def _no_op(updates: list[Tensor], state: OptState, view: LeafView) -> tuple[list
 NO_OP = ListTransform("identity", {}, _no_op)
 
 
+@transform_factory
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Compose transforms: the updates of one are the input of the next.
 

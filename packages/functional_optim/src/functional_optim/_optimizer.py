@@ -2,23 +2,83 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState, apply_updates
-from functional_optim._torch_state import check_torch_state, from_torch_state, to_torch_state
-from functional_optim._transforms.hyperparams import InjectHyperparamsState
+from functional_optim._group_hyperparams import GroupHyperparams
+from functional_optim._torch_state import (
+    check_torch_state,
+    from_torch_state,
+    to_torch_state,
+    tree_nodes,
+)
+from functional_optim._transforms.rms import ScaleByAdagradState
 
 __all__ = ["Optimizer"]
 
 _GROUP_STATE_KEY = "fo_state"
 
 
-def _hyperparams(state: OptState) -> dict[str, Any]:
-    return dict(state.hyperparams) if isinstance(state, InjectHyperparamsState) else {}
+class _LiveState(defaultdict[Any, Any]):
+    """``Optimizer.state``: torch's per-param dicts, refreshed from the transform states on
+    the first read after a step (so ``opt.state`` is live without a per-step cost)."""
+
+    def __init__(self, owner: Optimizer, *args: Any) -> None:
+        super().__init__(dict, *args)
+        self._owner = weakref.ref(owner)
+
+    def _fresh(self) -> None:
+        owner = self._owner()
+        if owner is not None and owner._state_stale:
+            owner._export_state()
+
+    def __getitem__(self, key: Any) -> Any:
+        self._fresh()
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self._fresh()
+        return super().__contains__(key)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._fresh()
+        return super().__iter__()
+
+    def __len__(self) -> int:
+        self._fresh()
+        return super().__len__()
+
+    def __repr__(self) -> str:
+        self._fresh()
+        return super().__repr__()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._fresh()
+        return super().get(key, default)
+
+    def keys(self) -> Any:
+        self._fresh()
+        return super().keys()
+
+    def values(self) -> Any:
+        self._fresh()
+        return super().values()
+
+    def items(self) -> Any:
+        self._fresh()
+        return super().items()
+
+
+def _eager_state(state: OptState) -> bool:
+    """Whether torch's class creates this state at construction (Adagrad's ``sum``), not at a
+    param's first gradient."""
+    return any(isinstance(node, ScaleByAdagradState) for node in tree_nodes(state))
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -64,7 +124,16 @@ class Optimizer(torch.optim.Optimizer):
             )
         self._tx = tx
         self._tx_states: list[OptState] = []
-        super().__init__(params, _hyperparams(tx.init([])))
+        self._layouts: list[GroupHyperparams] = []
+        self._group_values: list[dict[str, Any]] = []  # the values last written to the state
+        self._state_stale = False
+        # the params torch would hold state for: those that had a gradient at a step (torch
+        # creates state then; Adagrad at construction)
+        self._with_state: set[Tensor] = set()
+        self._all_have_state = True
+        empty = tx.init([])
+        super().__init__(params, GroupHyperparams.of(empty).values(empty))
+        self.state = _LiveState(self, self.state)
 
     @property
     def transform(self) -> GradientTransformation:
@@ -79,18 +148,55 @@ class Optimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group and initialise its transform state (see torch's docs)."""
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        self._tx_states.append(self._tx.init(list(group["params"])))
+        state = self._tx.init(list(self.param_groups[-1]["params"]))
+        layout = GroupHyperparams.of(state)
+        group = self.param_groups[-1]  # a plain dict: torch.compile rewrites its keys
+        for key, value in layout.values(state).items():
+            group.setdefault(key, value)
+        if _eager_state(state):
+            self._with_state.update(self.param_groups[-1]["params"])
+        else:
+            self._all_have_state = False
+        self._tx_states.append(state)
+        self._layouts.append(layout)
+        self._group_values.append(layout.values(state))
 
-    def _sync_hyperparams(self, state: OptState, group: dict[str, Any]) -> OptState:
-        if not isinstance(state, InjectHyperparamsState):
+    def _synced(self, i: int, group: dict[str, Any]) -> OptState:
+        """Group ``i``'s transform state with the group's hyperparameter values (only the
+        identity of each value is compared when nothing changed)."""
+        state = self._tx_states[i]
+        last = self._group_values[i]
+        if all(group.get(k, v) is v for k, v in last.items()):
             return state
-        current = state.hyperparams
-        if all(group.get(k, v) is v for k, v in current.items()):
-            return state
-        return state._replace(hyperparams={k: group.get(k, v) for k, v in current.items()})
+        state = self._layouts[i].synced(state, group)
+        self._group_values[i] = {k: group.get(k, v) for k, v in last.items()}
+        return state
 
-    @torch.no_grad()
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's pickled fields plus the transform and its states (``deepcopy`` and
+        ``pickle`` give an optimizer that steps on)."""
+        if self._state_stale:
+            self._export_state()
+        out = dict(super().__getstate__())
+        out["state"] = defaultdict(dict, self.state)
+        out.update(
+            _tx=self._tx,
+            _tx_states=self._tx_states,
+            _layouts=self._layouts,
+            _group_values=self._group_values,
+            _with_state=self._with_state,
+            _all_have_state=self._all_have_state,
+            _state_stale=False,
+        )
+        return out
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickling, and torch's ``load_state_dict`` (its state is the one to keep: the
+        transform states are rebuilt from it, not exported over it)."""
+        super().__setstate__(state)
+        self.state = _LiveState(self, self.state)
+        self._state_stale = False
+
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Perform one optimization step.
 
@@ -100,6 +206,10 @@ class Optimizer(torch.optim.Optimizer):
         Returns:
             The closure's loss, or None.
         """
+        with torch.set_grad_enabled(bool(self.defaults.get("differentiable", False))):
+            return self._step(closure)
+
+    def _step(self, closure: Callable[[], float] | None) -> float | None:
         fused = self._tx.step
         if getattr(fused, "needs_closure", False):  # e.g. fo.lbfgs: it calls the closure
             return self._closure_step(closure)
@@ -109,7 +219,9 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         for i, group in enumerate(self.param_groups):
             params: list[Tensor] = group["params"]
-            state = self._sync_hyperparams(self._tx_states[i], group)
+            state = self._synced(i, group)
+            if not self._all_have_state:
+                self._with_state.update(p for p in params if p.grad is not None)
             if fused is not None:
                 state = fused(params, [p.grad for p in params], state)
             else:
@@ -117,6 +229,7 @@ class Optimizer(torch.optim.Optimizer):
                 updates, state = self._tx.update(grads, state, params, inplace=True)
                 apply_updates(params, updates, inplace=True)
             self._tx_states[i] = state
+        self._state_stale = True
         return loss
 
     def _closure_step(self, closure: Callable[[], float] | None) -> float | None:
@@ -134,18 +247,21 @@ class Optimizer(torch.optim.Optimizer):
             return loss
 
         group = self.param_groups[0]
-        state = self._sync_hyperparams(self._tx_states[0], group)
+        state = self._synced(0, group)
         fused = self._tx.step
         assert fused is not None
         self._tx_states[0] = fused(group["params"], recording, state)
+        self._with_state.update(group["params"])
+        self._state_stale = True
         return losses[0] if losses else None
 
     def _export_state(self) -> None:
+        self._state_stale = False
         for group, state in zip(self.param_groups, self._tx_states, strict=True):
             params = group["params"]
             per_param, group_state = to_torch_state(state, list(params))
             for p, entry in zip(params, per_param, strict=True):
-                if entry:
+                if entry and p in self._with_state:
                     self.state[p] = entry
                 else:
                     self.state.pop(p, None)
@@ -159,10 +275,15 @@ class Optimizer(torch.optim.Optimizer):
         for group, template in zip(self.param_groups, templates, strict=True):
             params = list(group["params"])
             per_param = [dict(self.state[p]) if p in self.state else {} for p in params]
+            self._with_state.update(p for p, d in zip(params, per_param, strict=True) if d)
             states.append(
                 from_torch_state(template, params, per_param, group.get(_GROUP_STATE_KEY))
             )
         self._tx_states = states
+        self._group_values = [
+            layout.values(state) for layout, state in zip(self._layouts, states, strict=True)
+        ]
+        self._state_stale = False
 
     def _checked(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], list[OptState]]:
         """``state_dict`` with each saved group's missing hyperparameters taken from the
@@ -185,7 +306,7 @@ class Optimizer(torch.optim.Optimizer):
             check_torch_state(template, params, per_param, saved_group.get(_GROUP_STATE_KEY), first)
             templates.append(template)
             first += len(params)
-        names = _hyperparams(self._tx.init([]))
+        names = set().union(*(layout.keys for layout in self._layouts))
         filled = [
             {**{k: g[k] for k in names if k in g and k not in s}, **s}
             for g, s in zip(groups, saved, strict=True)

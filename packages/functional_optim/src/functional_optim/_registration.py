@@ -1,91 +1,92 @@
-"""Exports and run-time registration driven by the algorithm registry.
+"""Adding and removing algorithms at run time (:func:`register_algorithm`).
 
-:func:`publish_all` (run by the package ``__init__``) exports every entry's alias, transform,
-state type, kernel and ``FunctionalX`` class, so an entry added to
-``functional_optim._registry.ALGORITHMS`` needs no edit of an ``__init__`` file.
-:func:`register_algorithm` adds an entry at run time (a plugin, a test) with the same effect, and
-tells the listeners (``compat_api``'s ``functional_optim_map``).
+The package's exports are static: ``functional_optim/__init__.py`` imports every part of every
+built-in entry (``_registry.BUILTIN_ALGORITHMS``), so type checkers and IDEs see them, and no
+function writes into a module's namespace. An algorithm registered at run time (a plugin, a
+test) joins the registry tables (``fo.ALGORITHMS``, torch's state names, the fused steps) and
+the listeners (``compat_api``'s ``functional_optim_map``) hear of it; its alias, transform,
+state type and ``FunctionalX`` class are then reachable as ``fo.<name>`` through ONE explicit
+dynamic path: the package's module ``__getattr__``, which asks :func:`runtime_export`. They are
+not added to ``fo.__all__`` (the static surface) nor to ``fo.kernels`` / ``fo.functional``: the
+entry itself (``fo.ALGORITHMS``) holds its kernel and ``FunctionalX`` class.
 """
 
 from __future__ import annotations
 
-import sys
+import importlib
 from collections.abc import Callable
-from types import ModuleType
 
-from functional_optim import _registry, kernels
+from functional_optim import _registry
 from functional_optim._algorithm import Algorithm
-from functional_optim._aliases._kernel_step import SPECS
 
 __all__ = [
     "on_algorithm_registered",
-    "publish_all",
     "register_algorithm",
+    "runtime_export",
+    "runtime_export_names",
     "unregister_algorithm",
 ]
 
 #: ``listener(algorithm, added)``: called when an algorithm is registered or unregistered.
 Listener = Callable[[Algorithm, bool], None]
 _LISTENERS: list[Listener] = []
-_ADDED: set[str] = set()
+#: The algorithms added by :func:`register_algorithm`, by name.
+_ADDED: dict[str, Algorithm] = {}
+#: ``fo.<name>`` -> object for the parts of the algorithms added at run time (names the
+#: package binds statically to the same object are left out).
+_EXPORTS: dict[str, object] = {}
 
 
-def _targets(algorithm: Algorithm) -> list[tuple[ModuleType, dict[str, object]]]:
-    """(module, name -> object) for every export of an entry."""
-    package = sys.modules["functional_optim"]
+def _parts(algorithm: Algorithm) -> dict[str, object]:
+    """The parts an entry exports from the package, by name."""
     parts = (algorithm.alias, algorithm.transform, algorithm.state_type, algorithm.functional)
-    out: list[tuple[ModuleType, dict[str, object]]] = [
-        (package, {part.__name__: part for part in parts if part is not None})
-    ]
-    if algorithm.kernel is not None:
-        out.append((kernels, {algorithm.kernel.__name__: algorithm.kernel}))
-    if algorithm.functional is not None:
-        functional = sys.modules["functional_optim.functional"]
-        out.append((functional, {algorithm.functional.__name__: algorithm.functional}))
-    return out
+    return {part.__name__: part for part in parts if part is not None}
 
 
-def _publish(algorithm: Algorithm) -> None:
-    """Export an entry's parts; names already bound to the same object are left alone.
+def _new_exports(algorithm: Algorithm) -> dict[str, object]:
+    """The run-time exports ``algorithm`` adds.
 
     Raises:
-        ValueError: if a name is bound to another object (nothing is changed then).
+        ValueError: if one of its names is bound to another object, statically or by another
+            run-time algorithm.
     """
-    targets = _targets(algorithm)
-    for module, names in targets:
-        for name, obj in names.items():
-            known = getattr(module, name, obj)
-            # a kernel's submodule shares its function's name until the function is bound
-            if known is not obj and not isinstance(known, ModuleType):
-                raise ValueError(f"{algorithm.name}: {module.__name__}.{name} is already taken")
-    for module, names in targets:
-        exported: list[str] = module.__all__
-        for name, obj in names.items():
-            setattr(module, name, obj)
-            if name not in exported:
-                exported.append(name)
-        exported.sort()
+    static = vars(importlib.import_module("functional_optim"))
+    new: dict[str, object] = {}
+    for name, obj in _parts(algorithm).items():
+        known = static.get(name, _EXPORTS.get(name, obj))
+        if known is not obj:
+            raise ValueError(f"{algorithm.name}: functional_optim.{name} is already taken")
+        if name not in static:
+            new[name] = obj
+    return new
 
 
-def publish_all() -> None:
-    """Export every registered entry's parts (idempotent)."""
-    for algorithm in _registry.ALGORITHMS:
-        _publish(algorithm)
+def runtime_export(name: str) -> object:
+    """The part of a run-time algorithm exported as ``fo.<name>`` (the package's
+    ``__getattr__``).
+
+    Raises:
+        AttributeError: if no algorithm registered at run time exports ``name``.
+    """
+    try:
+        return _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module 'functional_optim' has no attribute {name!r}") from None
 
 
-def _set_algorithms(algorithms: tuple[Algorithm, ...]) -> None:
-    _registry.ALGORITHMS = algorithms
-    setattr(sys.modules["functional_optim"], "ALGORITHMS", algorithms)  # noqa: B010
-    _registry.TORCH_STATE_NAMES.clear()
-    _registry.TORCH_STATE_NAMES.update(_registry.torch_state_names())
+def runtime_export_names() -> list[str]:
+    """The names :func:`runtime_export` answers, sorted (the package's ``__dir__`` adds them)."""
+    return sorted(_EXPORTS)
 
 
 def register_algorithm(algorithm: Algorithm) -> Algorithm:
-    """Add an algorithm at run time, as if its entry were in ``ALGORITHMS``.
+    """Add an algorithm at run time, as if its entry were in ``BUILTIN_ALGORITHMS``.
 
     Its alias gets the fused ``step`` of its kernel, its state converts to and from torch's
-    state dicts, its parts are exported from ``functional_optim`` and the listeners
-    (``compat_api``'s ``functional_optim_map``) hear of it.
+    state dicts, it joins ``fo.ALGORITHMS``, its alias, transform, state type and
+    ``FunctionalX`` class are reachable as ``fo.<name>`` (the package's ``__getattr__``; they
+    stay out of ``fo.__all__``) and the listeners (``compat_api``'s ``functional_optim_map``)
+    hear of it.
 
     Args:
         algorithm: the entry.
@@ -105,14 +106,12 @@ def register_algorithm(algorithm: Algorithm) -> Algorithm:
             f"an algorithm named {algorithm.name!r} or mirroring torch.optim."
             f"{algorithm.torch_name} is already registered"
         )
-    spec = algorithm.kernel_spec  # checks the kernel arguments
+    _ = algorithm.kernel_spec  # checks the kernel arguments
     _registry.merged_state_names((*_registry.ALGORITHMS, algorithm))  # checks for conflicts
-    _publish(algorithm)
-    _ADDED.add(algorithm.name)
-    _registry.BY_NAME[algorithm.name] = algorithm
-    if spec is not None:
-        SPECS[algorithm.name] = spec
-    _set_algorithms((*_registry.ALGORITHMS, algorithm))
+    exports = _new_exports(algorithm)
+    _EXPORTS.update(exports)
+    _ADDED[algorithm.name] = algorithm
+    _registry.add(algorithm)
     for listener in _LISTENERS:
         listener(algorithm, True)
     return algorithm
@@ -127,17 +126,19 @@ def unregister_algorithm(name: str) -> None:
     """
     if name not in _ADDED:
         raise KeyError(f"{name!r} was not added by register_algorithm")
-    _ADDED.discard(name)
-    algorithm = _registry.BY_NAME.pop(name)
-    SPECS.pop(name, None)
-    _set_algorithms(tuple(a for a in _registry.ALGORITHMS if a is not algorithm))
-    for module, names in _targets(algorithm):
-        for export in names:
-            if export in module.__all__:
-                module.__all__.remove(export)
-                delattr(module, export)
+    algorithm = _ADDED.pop(name)
+    _registry.remove(algorithm)
+    for export, obj in _parts(algorithm).items():
+        if _EXPORTS.get(export) is obj and not _still_exported(export, obj):
+            del _EXPORTS[export]
     for listener in _LISTENERS:
         listener(algorithm, False)
+
+
+def _still_exported(name: str, obj: object) -> bool:
+    """Whether another run-time algorithm still exports ``obj`` as ``name`` (two entries may
+    share a transform)."""
+    return any(_parts(a).get(name) is obj for a in _ADDED.values())
 
 
 def on_algorithm_registered(listener: Listener) -> None:

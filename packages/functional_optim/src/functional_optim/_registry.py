@@ -8,7 +8,6 @@ per-param state keys), the alias (hand-written, or generated from its declared h
 
 * every alias's fused ``step`` runs the declared kernel arguments
   (:mod:`functional_optim._aliases._kernel_step`; the aliases name their entry in ``fused``);
-* the package exports every part (``_registration.publish_all``);
 * ``functional_optim._torch_state`` takes torch's state names (``state_names``);
 * ``compat_api.utils.functional_optim_map`` maps ``torch.optim.<torch_name>`` to ``functional``
   (``on_algorithm_registered``);
@@ -16,12 +15,17 @@ per-param state keys), the alias (hand-written, or generated from its declared h
   and draw every hyperparameter of ``alias`` with Hypothesis.
 
 Adding an algorithm: write the kernel (``kernels/x.py``) and, if none fits, the transform
-(``_transforms``); then add one entry here. ``register_algorithm`` adds one at run time.
+(``_transforms``); add one entry to :data:`BUILTIN_ALGORITHMS`; then import its parts in the
+package ``__init__`` (and the kernel in ``kernels/__init__``, the ``FunctionalX`` class in
+``functional/__init__``): the exports are static, and tests/functional_optim/test_registry.py
+fails for a part that is not exported. ``register_algorithm`` adds one at run time
+(:mod:`functional_optim._registration`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import overload
 
 from functional_optim import kernels
 from functional_optim._algorithm import Algorithm, Hyperparam
@@ -100,12 +104,16 @@ from functional_optim.functional import (
 
 __all__ = [
     "ALGORITHMS",
+    "BUILTIN_ALGORITHMS",
     "BY_NAME",
     "TORCH_STATE_NAMES",
     "Algorithm",
+    "AlgorithmTable",
     "Hyperparam",
+    "add",
     "by_torch_name",
     "merged_state_names",
+    "remove",
     "torch_state_names",
 ]
 
@@ -124,8 +132,9 @@ _ADAM_ARGS: tuple[KernelArg, ...] = (
 )  # fmt: skip
 
 
-#: Every algorithm; torch's eight first, in the order of torch's ``functional_optim_map``.
-ALGORITHMS: tuple[Algorithm, ...] = (
+#: The algorithms the package ships; torch's eight first, in the order of torch's
+#: ``functional_optim_map``.
+BUILTIN_ALGORITHMS: tuple[Algorithm, ...] = (
     Algorithm(
         name="adagrad",
         torch_name="Adagrad",
@@ -375,6 +384,45 @@ ALGORITHMS: tuple[Algorithm, ...] = (
     ),
 )  # fmt: skip
 
+
+class AlgorithmTable(Sequence[Algorithm]):
+    """The registered algorithms in order: the built-in ones, then those added at run time.
+
+    A read-only, live view: there is one table for the whole run, so ``fo.ALGORITHMS`` is bound
+    once (statically, in the package ``__init__``) and still lists an algorithm added later by
+    ``register_algorithm``. Only :func:`add` and :func:`remove` change it. Take ``tuple(table)``
+    for a snapshot.
+    """
+
+    __slots__ = ("_entries",)
+
+    def __init__(self, entries: Iterable[Algorithm]) -> None:
+        self._entries: list[Algorithm] = list(entries)
+
+    @overload
+    def __getitem__(self, index: int) -> Algorithm: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Algorithm, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Algorithm | tuple[Algorithm, ...]:
+        if isinstance(index, slice):
+            return tuple(self._entries[index])
+        return self._entries[index]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[Algorithm]:
+        return iter(tuple(self._entries))
+
+    def __repr__(self) -> str:
+        return f"AlgorithmTable({[a.name for a in self._entries]})"
+
+
+#: Every registered algorithm (:data:`BUILTIN_ALGORITHMS`, then the run-time ones).
+ALGORITHMS: AlgorithmTable = AlgorithmTable(BUILTIN_ALGORITHMS)
+
 #: The entries by alias name.
 BY_NAME: dict[str, Algorithm] = {a.name: a for a in ALGORITHMS}
 
@@ -414,9 +462,33 @@ def torch_state_names() -> dict[type, dict[str, str]]:
     return merged_state_names(ALGORITHMS)
 
 
-#: The merged state names of the registered entries, kept current by
-#: ``_registration.register_algorithm``; ``_torch_state`` reads it.
+#: The merged state names of the registered entries, kept current by :func:`add` and
+#: :func:`remove`; ``_torch_state`` reads it.
 TORCH_STATE_NAMES: dict[type, dict[str, str]] = torch_state_names()
 for _algorithm in ALGORITHMS:
     if _algorithm.kernel_spec is not None:
         SPECS[_algorithm.name] = _algorithm.kernel_spec
+
+
+def _refresh_state_names() -> None:
+    TORCH_STATE_NAMES.clear()
+    TORCH_STATE_NAMES.update(torch_state_names())
+
+
+def add(algorithm: Algorithm) -> None:
+    """Append ``algorithm`` to every table built from the registry (no checks: see
+    ``_registration.register_algorithm``, which checks first)."""
+    ALGORITHMS._entries.append(algorithm)
+    BY_NAME[algorithm.name] = algorithm
+    spec = algorithm.kernel_spec
+    if spec is not None:
+        SPECS[algorithm.name] = spec
+    _refresh_state_names()
+
+
+def remove(algorithm: Algorithm) -> None:
+    """Undo :func:`add`."""
+    ALGORITHMS._entries.remove(algorithm)
+    BY_NAME.pop(algorithm.name, None)
+    SPECS.pop(algorithm.name, None)
+    _refresh_state_names()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from operator import attrgetter
 from typing import Any, Literal
 
 import torch
@@ -48,9 +47,22 @@ Buffer = tuple[str, Shape, Sequence["Tensor | None"]]
 SparsePolicy = Literal["refuse", "accept", "require"]
 
 _size = Tensor.size
-_dtype = attrgetter("dtype")
-_device = attrgetter("device")
-_layout = attrgetter("layout")
+
+
+# Plain functions, not ``operator.attrgetter``: torch.compile traces these (it cannot call an
+# attrgetter), and the full check runs only until guards are built (see StepChecker).
+def _dtype(t: Any) -> Any:
+    return t.dtype
+
+
+def _device(t: Any) -> Any:
+    return t.device
+
+
+def _layout(t: Any) -> Any:
+    return t.layout
+
+
 _META = torch.device("meta")
 
 
@@ -354,6 +366,8 @@ class StepChecker:
     ) -> bool:
         """:func:`check_step` (same arguments, result and errors), through the guards when
         they hold."""
+        if torch.compiler.is_compiling():  # dynamo guards the metadata itself
+            return check_step(rules, params, grads, buffers, meta=meta)
         lists = [params, grads, *(tensors for _, _, tensors in buffers)]
         kinds = tuple((name, shape) for name, shape, _ in buffers)
         key = (rules, meta, kinds, tuple(map(len, lists)), _caller(params))

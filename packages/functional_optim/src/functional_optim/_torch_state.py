@@ -30,7 +30,7 @@ from functional_optim._registry import TORCH_STATE_NAMES
 from functional_optim._transforms.hyperparams import InjectHyperparamsState
 from functional_optim._tree import PyTree, TreeSpec, tree_structure
 
-__all__ = ["check_torch_state", "from_torch_state", "to_torch_state"]
+__all__ = ["check_torch_state", "from_torch_state", "to_torch_state", "tree_nodes"]
 
 
 #: State type -> (field -> torch's per-param state key), from the algorithm registry (the live
@@ -53,6 +53,13 @@ def _components(node: OptState, path: tuple[int, ...] = ()) -> Iterator[tuple[st
             yield from _components(child, (*path, i))
     else:
         raise TypeError(f"cannot convert a state node of type {type(node).__name__}")
+
+
+def tree_nodes(state: OptState) -> Iterator[Any]:
+    """Every component state of a (chained, injected) state, as :func:`to_torch_state` sees
+    them."""
+    for _, comp in _components(state):
+        yield comp
 
 
 def _keys(state: OptState, spec: TreeSpec) -> dict[tuple[str, str], tuple[str, bool]]:

@@ -14,7 +14,6 @@ unflatten once; nothing calls a Python function per leaf through ``tree_map`` on
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
@@ -55,10 +54,19 @@ TreeSpec: TypeAlias = optree.PyTreeSpec
 _FLAT_LEAF_TYPES = frozenset({Tensor, torch.nn.Parameter, type(None)})
 
 
-@functools.lru_cache(maxsize=64)
+#: list length -> its treespec (a plain dict, not ``functools.lru_cache``: torch.compile
+#: traces a dict lookup, and warns on an lru_cache wrapper)
+_LIST_SPECS: dict[int, TreeSpec] = {}
+
+
 def _list_spec(length: int) -> TreeSpec:
-    leaves: Any = [None] * length
-    return optree.tree_structure(leaves, none_is_leaf=NONE_IS_LEAF, namespace=NAMESPACE)
+    spec = _LIST_SPECS.get(length)
+    if spec is None:
+        leaves: Any = [None] * length
+        spec = optree.tree_structure(leaves, none_is_leaf=NONE_IS_LEAF, namespace=NAMESPACE)
+        if len(_LIST_SPECS) < 64:
+            _LIST_SPECS[length] = spec
+    return spec
 
 
 def tree_flatten(tree: PyTree) -> tuple[list[Any], TreeSpec]:

@@ -8,7 +8,8 @@ An algorithm's registry entry lists what its kernel takes, in order (:data:`Kern
   ``state("momentum_buffer", of=TraceState, fill="kernel")`` a lazily created buffer that is
   written back into the chain state after the call;
 * ``LR``: the learning rate of this step (a schedule is evaluated, a tensor read);
-* ``IMPL``: ``"auto"``;
+* ``IMPL``: the path torch's flags chose (:class:`~functional_optim._aliases._common.KernelPath`:
+  ``"auto"`` unless the alias was given ``foreach``/``fused``/``differentiable``);
 * any other string: the value of that hyperparameter, as the alias's builder passed it.
 
 :func:`kernel_step` turns the declaration and the hyperparameter values into one step
@@ -26,14 +27,23 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from functional_optim._aliases._common import FlatView, component, lr_value, replace_component
+from functional_optim._aliases._common import (
+    AUTO,
+    FlatView,
+    KernelPath,
+    component,
+    lr_value,
+    replace_component,
+)
 from functional_optim._base import GradientTransformation, OptState, UpdateFn
 from functional_optim._step_checks import CHECKER, Buffer, GradRules, Shape, check_step
 from functional_optim._tree import PyTree
 
 __all__ = [
+    "AUTO",
     "GRADS",
     "IMPL",
+    "KernelPath",
     "LR",
     "PARAMS",
     "KernelArg",
@@ -243,6 +253,7 @@ class _Slots:
     checked: list[tuple[int, str, Shape]]  # position, name in messages, shape
     lr: Getter | None  # read after the check (a schedule counts the step)
     rules: GradRules  # the spec's, for these hyperparameters
+    guard: Callable[[list[Tensor]], None] | None  # torch's step-time checks of the path
 
 
 def _label(spec: KernelSpec, arg: StateArg) -> str:
@@ -250,10 +261,17 @@ def _label(spec: KernelSpec, arg: StateArg) -> str:
     return spec.state_names.get(arg.of or spec.state_type, {}).get(arg.field, arg.field)
 
 
-def _slots(spec: KernelSpec, values: Mapping[str, Any]) -> _Slots:
-    """The constant arguments, the per-step getters and the lazy buffers for ``values``."""
+def _slots(spec: KernelSpec, values: Mapping[str, Any], path: KernelPath = AUTO) -> _Slots:
+    """The constant arguments, the per-step getters and the lazy buffers for ``values``, on
+    the kernel path ``path``."""
     plan = spec.plan
     template = plan.base.copy()
+    if plan.impl_index is not None:
+        template[plan.impl_index] = path.impl
+    elif path.impl != "auto":
+        raise ValueError(
+            f"{spec.kernel.__name__} has one path only; it cannot run impl={path.impl!r}"
+        )
     for i, name, flag in plan.hyper:
         template[i] = bool(values[name]) if flag else values[name]
     dynamic, lazy = plan.fixed, plan.lazy  # shared, never mutated; copied when extended
@@ -276,7 +294,8 @@ def _slots(spec: KernelSpec, values: Mapping[str, Any]) -> _Slots:
         else:
             template[plan.lr_index] = lr
     assert spec.rules is not None
-    return _Slots(template, dynamic, lazy, checked, lr_get, spec.rules.for_values(values))
+    rules = spec.rules.for_values(values)
+    return _Slots(template, dynamic, lazy, checked, lr_get, rules, path.guard)
 
 
 class _Buffers:
@@ -340,7 +359,9 @@ def _check(
     return check(slots.rules, view.active_params, view.active_grads, buffers, meta=meta)
 
 
-def kernel_step(spec: KernelSpec, values: Mapping[str, Any]) -> Callable[..., OptState]:
+def kernel_step(
+    spec: KernelSpec, values: Mapping[str, Any], path: KernelPath = AUTO
+) -> Callable[..., OptState]:
     """The fused ``step(params, grads, state)`` running ``spec.kernel`` with ``values``.
 
     Every step first checks the gradients and the state lists against the params
@@ -352,9 +373,12 @@ def kernel_step(spec: KernelSpec, values: Mapping[str, Any]) -> Callable[..., Op
         spec: the kernel and its argument order.
         values: the hyperparameters the arguments name (see
             :meth:`KernelSpec.hyperparameter_names`).
+        path: the kernel's ``impl`` and torch's step-time checks of that path (run after the
+            input checks, before a schedule counts the step or anything changes).
 
     Raises:
         TypeError: if ``values`` misses a hyperparameter the kernel needs or has one it does not.
+        ValueError: a ``path`` other than ``"auto"`` for a kernel without ``impl``.
     """
     needed = spec.needed
     if values.keys() != needed:
@@ -362,8 +386,8 @@ def kernel_step(spec: KernelSpec, values: Mapping[str, Any]) -> Callable[..., Op
             f"{spec.kernel.__name__}'s step takes the hyperparameters {sorted(needed)}; got "
             f"{sorted(values)}"
         )
-    slots = _slots(spec, values)
-    kernel, state_type = spec.kernel, spec.state_type
+    slots = _slots(spec, values, path)
+    kernel, state_type, guard = spec.kernel, spec.state_type, slots.guard
     lr_index, impl_index = spec.plan.lr_index, spec.plan.impl_index
 
     def step(params: PyTree, grads: PyTree, full: OptState) -> OptState:
@@ -371,6 +395,8 @@ def kernel_step(spec: KernelSpec, values: Mapping[str, Any]) -> Callable[..., Op
         lazy = _Buffers(spec, slots, view, st, full) if slots.lazy else None
         if not _check(spec, slots, view, args, lazy) and impl_index is not None:
             args[impl_index] = "single"  # torch's per-tensor path promotes other dtypes
+        if guard is not None:
+            guard(view.active_params)
         if slots.lr is not None:
             args[lr_index] = slots.lr(view, st, full)  # type: ignore[index]
         if lazy is None:
@@ -426,7 +452,10 @@ def _field_index(state_type: type, field_name: str) -> int:
 
 
 def with_kernel(
-    tx: GradientTransformation, spec: KernelSpec, values: Mapping[str, Any]
+    tx: GradientTransformation,
+    spec: KernelSpec,
+    values: Mapping[str, Any],
+    path: KernelPath = AUTO,
 ) -> GradientTransformation:
     """``tx`` with the fused ``step`` of ``spec`` and its ``update`` checked as that step is.
 
@@ -434,9 +463,11 @@ def with_kernel(
         tx: the alias's chain.
         spec: the kernel declaration.
         values: the hyperparameters its kernel arguments name.
+        path: the step's kernel path (torch's ``foreach``/``fused`` flags); ``update`` is the
+            chain's pure maths whatever the path.
     """
     return tx._replace(
-        step=kernel_step(spec, values), update=kernel_update(spec, values, tx.update)
+        step=kernel_step(spec, values, path), update=kernel_update(spec, values, tx.update)
     )
 
 
@@ -445,12 +476,16 @@ def with_kernel(
 SPECS: dict[str, KernelSpec] = {}
 
 
-def fused(tx: GradientTransformation, name: str, **values: Any) -> GradientTransformation:
+def fused(
+    tx: GradientTransformation, name: str, *, path: KernelPath = AUTO, **values: Any
+) -> GradientTransformation:
     """``tx`` with the fused ``step`` of the registered algorithm ``name``.
 
     Args:
         tx: the alias's chain.
         name: the registry entry whose kernel declaration the step runs.
+        path: the kernel path torch's flags chose
+            (:func:`functional_optim._aliases._common.kernel_path`); ``"auto"`` by default.
         values: the hyperparameters its kernel arguments name.
 
     Raises:
@@ -458,4 +493,4 @@ def fused(tx: GradientTransformation, name: str, **values: Any) -> GradientTrans
     """
     if name not in SPECS:
         raise KeyError(f"no registered algorithm {name!r} declares a kernel")
-    return with_kernel(tx, SPECS[name], values)
+    return with_kernel(tx, SPECS[name], values, path)

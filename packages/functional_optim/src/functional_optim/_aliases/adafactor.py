@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from functional_optim._aliases._common import maximize_tx
-from functional_optim._aliases._kernel_step import fused
+from functional_optim._aliases import _kernel_step
+from functional_optim._aliases._common import kernel_path, maximize_tx
 from functional_optim._base import GradientTransformation, chain
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms._leaf import is_traced
 from functional_optim._transforms.adafactor import (
     scale_by_adafactor,
@@ -44,6 +45,7 @@ def _build_adafactor(
     eps: tuple[float | None, float],
     d: float,
     weight_decay: float,
+    foreach: bool | None,
     maximize: bool,
 ) -> GradientTransformation:
     _check(lr, beta2_decay, eps, d, weight_decay)
@@ -58,9 +60,10 @@ def _build_adafactor(
         scale_by_adafactor(rate, beta2_decay, eps, d),
         add_decayed_weights(decay),  # decoupled: param *= 1 - lr * wd
     )
-    return fused(
+    return _kernel_step.fused(
         tx,
         "adafactor",
+        path=kernel_path("adafactor", foreach=foreach),
         lr=lr,
         beta2_decay=beta2_decay,
         eps1=eps[0],
@@ -71,6 +74,7 @@ def _build_adafactor(
     )
 
 
+@transform_factory
 def adafactor(
     lr: float | Tensor = 1e-2,
     beta2_decay: float = -0.8,
@@ -78,6 +82,7 @@ def adafactor(
     d: float = 1.0,
     weight_decay: float = 0.0,
     *,
+    foreach: bool | None = None,
     maximize: bool = False,
 ) -> GradientTransformation:
     """Adafactor (``torch.optim.Adafactor``): ``chain(maximize, scale_by_adafactor,
@@ -92,6 +97,8 @@ def adafactor(
             param-RMS floor.
         d: clipping threshold of the update's RMS (>= 1).
         weight_decay: decoupled weight decay.
+        foreach: torch's multi-tensor path (``True``) or its for-loop (``False``); None: the
+            fastest path for the tensors.
         maximize: maximize the objective.
 
     Returns:
@@ -102,5 +109,11 @@ def adafactor(
         TypeError: if ``lr`` is a schedule.
     """
     return inject_hyperparams(_build_adafactor)(
-        lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay, maximize=maximize
+        lr=lr,
+        beta2_decay=beta2_decay,
+        eps=eps,
+        d=d,
+        weight_decay=weight_decay,
+        foreach=foreach,
+        maximize=maximize,
     )

@@ -2,36 +2,44 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import Tensor
 
+from functional_optim._aliases import _kernel_step
 from functional_optim._aliases._common import (
     LearningRate,
     as_float,
     check_betas,
+    check_fused,
     check_lr,
     check_nonneg,
+    check_tensor_for_foreach,
+    kernel_path,
+    scalar_betas,
     torch_chain,
 )
-from functional_optim._aliases._kernel_step import fused
 from functional_optim._base import GradientTransformation
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms.adam import scale_by_adam
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.weight_decay import add_decayed_weights
 
 __all__ = ["adam", "adamw"]
 
+Betas = tuple[float | Tensor, float | Tensor]
 
-def _build(
+
+def _check(
     lr: LearningRate,
-    betas: tuple[float | Tensor, float | Tensor],
+    betas: Betas,
     eps: float,
     weight_decay: float,
-    amsgrad: bool,
-    maximize: bool,
-    decoupled: bool,
-) -> GradientTransformation:
+    foreach: bool | None,
+    capturable: bool,
+    differentiable: bool,
+    fused: bool | None,
+) -> LearningRate:
+    """torch.optim.Adam's constructor checks, in its order; returns the chain's ``lr``."""
+    check_tensor_for_foreach("lr", lr, foreach, capturable)
     lr = check_lr(lr)
     check_nonneg(eps, "epsilon value")
     check_betas(betas)
@@ -42,8 +50,28 @@ def _build(
     ):
         raise ValueError("betas must be either both floats or both Tensors")
     for i, b in enumerate(betas):
+        check_tensor_for_foreach(f"betas[{i}]", b, foreach, capturable)
         if isinstance(b, Tensor) and b.numel() != 1:
             raise ValueError(f"Tensor betas[{i}] must be 1-element")
+    check_fused(fused, foreach, differentiable)
+    return lr
+
+
+def _build(
+    lr: LearningRate,
+    betas: Betas,
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    maximize: bool,
+    foreach: bool | None,
+    capturable: bool,
+    differentiable: bool,
+    fused: bool | None,
+    decoupled_weight_decay: bool,
+) -> GradientTransformation:
+    lr = _check(lr, betas, eps, weight_decay, foreach, capturable, differentiable, fused)
+    decoupled = decoupled_weight_decay
     b1, b2 = as_float(betas[0]), as_float(betas[1])
     tx = torch_chain(
         maximize,
@@ -52,9 +80,17 @@ def _build(
         scale_by_adam(b1, b2, eps, amsgrad),
         add_decayed_weights(weight_decay if decoupled else 0.0),
     )
-    return fused(
+    name = "adamw" if decoupled else "adam"  # the decoupled kernel, same arguments
+    return _kernel_step.fused(
         tx,
-        "adamw" if decoupled else "adam",  # the decoupled kernel, same arguments
+        name,
+        path=kernel_path(
+            name,
+            foreach=foreach,
+            fused=fused,
+            capturable=capturable,
+            differentiable=differentiable,
+        ),
         lr=lr,
         b1=b1,
         b2=b2,
@@ -65,14 +101,7 @@ def _build(
     )
 
 
-def _build_adam(decoupled_weight_decay: bool, **kwargs: Any) -> GradientTransformation:
-    return _build(decoupled=decoupled_weight_decay, **kwargs)
-
-
-def _build_adamw(**kwargs: Any) -> GradientTransformation:
-    return _build(decoupled=True, **kwargs)
-
-
+@transform_factory
 def adam(
     lr: LearningRate = 1e-3,
     betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
@@ -80,7 +109,11 @@ def adam(
     weight_decay: float = 0,
     amsgrad: bool = False,
     *,
+    foreach: bool | None = None,
     maximize: bool = False,
+    capturable: bool = False,
+    differentiable: bool = False,
+    fused: bool | None = None,
     decoupled_weight_decay: bool = False,
 ) -> GradientTransformation:
     """Adam (``torch.optim.Adam``): ``chain(maximize, add_decayed_weights, scale_by_adam,
@@ -92,16 +125,25 @@ def adam(
         eps: added to the denominator.
         weight_decay: L2 penalty added to the gradient.
         amsgrad: use the running maximum of the second moment.
+        foreach: torch's multi-tensor path (``True``) or its for-loop (``False``); None:
+            this package's fastest path for the tensors (``impl="auto"``).
         maximize: maximize the objective.
+        capturable: stored as torch stores it; a step on params off CUDA/XPU/HPU raises
+            torch's ``AssertionError`` (see :func:`~functional_optim._aliases._common.kernel_path`).
+        differentiable: stored; runs the for-loop path (the fused ``step`` itself is not
+            differentiable: use the pure ``update`` for that).
+        fused: torch's fused kernel (``torch._fused_adam_``); its device/dtype error at step.
         decoupled_weight_decay: decay the weights directly (AdamW) instead of adding an L2
             penalty to the gradient.
 
     Returns:
         An injected ``GradientTransformation`` (hyperparameters in
-        ``state.hyperparams``); ``step`` runs ``functional_optim.kernels.adam(impl="auto")``.
+        ``state.hyperparams``, torch's param-group keys); ``step`` runs
+        ``functional_optim.kernels.adam`` on the path the flags choose.
 
     Raises:
         ValueError: with torch's messages, e.g. ``Invalid learning rate: -1``.
+        RuntimeError: ``fused`` with ``foreach`` or ``differentiable`` (torch's messages).
 
     Example::
 
@@ -111,17 +153,22 @@ def adam(
         >>> params = fo.apply_updates(params, updates)
         >>> state = tx.step(params, grads, state)              # fused, in place
     """
-    return inject_hyperparams(_build_adam)(
+    return inject_hyperparams(_build)(
         lr=lr,
-        betas=betas,
+        betas=scalar_betas(betas),
         eps=eps,
         weight_decay=weight_decay,
         amsgrad=amsgrad,
         maximize=maximize,
+        foreach=foreach,
+        capturable=capturable,
+        differentiable=differentiable,
+        fused=fused,
         decoupled_weight_decay=decoupled_weight_decay,
     )
 
 
+@transform_factory
 def adamw(
     lr: LearningRate = 1e-3,
     betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
@@ -130,23 +177,34 @@ def adamw(
     amsgrad: bool = False,
     *,
     maximize: bool = False,
+    foreach: bool | None = None,
+    capturable: bool = False,
+    differentiable: bool = False,
+    fused: bool | None = None,
 ) -> GradientTransformation:
     """AdamW (``torch.optim.AdamW``): Adam with decoupled weight decay, applied after
     ``scale_by_adam`` and scaled by the learning rate; fused ``step`` via ``kernels.adamw``.
 
-    Args: as :func:`adam` (``weight_decay`` defaults to ``1e-2``).
+    Args: as :func:`adam` (``weight_decay`` defaults to ``1e-2``). As torch's AdamW, the
+    hyperparameters (param groups) also hold ``decoupled_weight_decay=True``.
 
     Returns:
         An injected ``GradientTransformation``.
 
     Raises:
         ValueError: with torch's messages.
+        RuntimeError: ``fused`` with ``foreach`` or ``differentiable`` (torch's messages).
     """
-    return inject_hyperparams(_build_adamw)(
+    return inject_hyperparams(_build)(
         lr=lr,
-        betas=betas,
+        betas=scalar_betas(betas),
         eps=eps,
         weight_decay=weight_decay,
         amsgrad=amsgrad,
         maximize=maximize,
+        foreach=foreach,
+        capturable=capturable,
+        differentiable=differentiable,
+        fused=fused,
+        decoupled_weight_decay=True,
     )

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from functional_optim._aliases import _kernel_step
 from functional_optim._aliases._common import (
+    KernelPath,
     LearningRate,
     as_float,
     check_betas,
     check_lr,
     check_nonneg,
+    kernel_path,
     torch_chain,
 )
-from functional_optim._aliases._kernel_step import fused
 from functional_optim._base import GradientTransformation
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms.adam_variants import (
     scale_by_nadam,
     scale_by_radam,
@@ -38,6 +41,10 @@ def _check_adam_like(
     return lr
 
 
+def _path(name: str, foreach: bool | None, capturable: bool, differentiable: bool) -> KernelPath:
+    return kernel_path(name, foreach=foreach, capturable=capturable, differentiable=differentiable)
+
+
 def _build_nadam(
     lr: LearningRate,
     betas: Betas,
@@ -46,6 +53,9 @@ def _build_nadam(
     momentum_decay: float,
     decoupled_weight_decay: bool,
     maximize: bool,
+    foreach: bool | None,
+    capturable: bool,
+    differentiable: bool,
 ) -> GradientTransformation:
     lr = _check_adam_like(lr, betas, eps, weight_decay)
     check_nonneg(momentum_decay, "momentum_decay value")
@@ -58,9 +68,10 @@ def _build_nadam(
         scale_by_nadam(b1, b2, eps, momentum_decay),
         add_decayed_weights(weight_decay if decoupled else 0.0),
     )
-    return fused(
+    return _kernel_step.fused(
         tx,
         "nadam",
+        path=_path("nadam", foreach, capturable, differentiable),
         lr=lr,
         b1=b1,
         b2=b2,
@@ -72,6 +83,7 @@ def _build_nadam(
     )
 
 
+@transform_factory
 def nadam(
     lr: LearningRate = 2e-3,
     betas: Betas = (0.9, 0.999),
@@ -80,7 +92,10 @@ def nadam(
     momentum_decay: float = 4e-3,
     decoupled_weight_decay: bool = False,
     *,
+    foreach: bool | None = None,
     maximize: bool = False,
+    capturable: bool = False,
+    differentiable: bool = False,
 ) -> GradientTransformation:
     """NAdam (``torch.optim.NAdam``): ``chain(maximize, add_decayed_weights, scale_by_nadam,
     add_decayed_weights (decoupled), scale_by_learning_rate)`` with a fused ``step``.
@@ -92,7 +107,11 @@ def nadam(
         weight_decay: weight decay (L2 penalty unless ``decoupled_weight_decay``).
         momentum_decay: decay of the momentum coefficient.
         decoupled_weight_decay: decay the weights directly (as AdamW).
+        foreach: torch's multi-tensor path (``True``) or its for-loop (``False``); None: the
+            fastest path for the tensors.
         maximize: maximize the objective.
+        capturable: stored; a step on params off CUDA/XPU/HPU raises torch's AssertionError.
+        differentiable: stored; runs the for-loop path.
 
     Returns:
         An injected ``GradientTransformation``; ``step`` runs ``kernels.nadam``.
@@ -108,6 +127,9 @@ def nadam(
         momentum_decay=momentum_decay,
         decoupled_weight_decay=decoupled_weight_decay,
         maximize=maximize,
+        foreach=foreach,
+        capturable=capturable,
+        differentiable=differentiable,
     )
 
 
@@ -118,6 +140,9 @@ def _build_radam(
     weight_decay: float,
     decoupled_weight_decay: bool,
     maximize: bool,
+    foreach: bool | None,
+    capturable: bool,
+    differentiable: bool,
 ) -> GradientTransformation:
     lr = _check_adam_like(lr, betas, eps, weight_decay)
     b1, b2 = as_float(betas[0]), as_float(betas[1])
@@ -129,9 +154,10 @@ def _build_radam(
         scale_by_radam(b1, b2, eps),
         add_decayed_weights(weight_decay if decoupled else 0.0),
     )
-    return fused(
+    return _kernel_step.fused(
         tx,
         "radam",
+        path=_path("radam", foreach, capturable, differentiable),
         lr=lr,
         b1=b1,
         b2=b2,
@@ -142,6 +168,7 @@ def _build_radam(
     )
 
 
+@transform_factory
 def radam(
     lr: LearningRate = 1e-3,
     betas: Betas = (0.9, 0.999),
@@ -149,7 +176,10 @@ def radam(
     weight_decay: float = 0,
     decoupled_weight_decay: bool = False,
     *,
+    foreach: bool | None = None,
     maximize: bool = False,
+    capturable: bool = False,
+    differentiable: bool = False,
 ) -> GradientTransformation:
     """RAdam (``torch.optim.RAdam``): ``chain(maximize, add_decayed_weights, scale_by_radam,
     add_decayed_weights (decoupled), scale_by_learning_rate)`` with a fused ``step``.
@@ -160,7 +190,11 @@ def radam(
         eps: added to the denominator.
         weight_decay: weight decay (L2 penalty unless ``decoupled_weight_decay``).
         decoupled_weight_decay: decay the weights directly (as AdamW).
+        foreach: torch's multi-tensor path (``True``) or its for-loop (``False``); None: the
+            fastest path for the tensors.
         maximize: maximize the objective.
+        capturable: stored; a step on params off CUDA/XPU/HPU raises torch's AssertionError.
+        differentiable: stored; runs the for-loop path.
 
     Returns:
         An injected ``GradientTransformation``; ``step`` runs ``kernels.radam``.
@@ -175,4 +209,7 @@ def radam(
         weight_decay=weight_decay,
         decoupled_weight_decay=decoupled_weight_decay,
         maximize=maximize,
+        foreach=foreach,
+        capturable=capturable,
+        differentiable=differentiable,
     )

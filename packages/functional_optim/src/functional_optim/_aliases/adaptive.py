@@ -4,16 +4,19 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from functional_optim._aliases import _kernel_step
 from functional_optim._aliases._common import (
     LearningRate,
     as_float,
     check_betas,
+    check_fused,
     check_lr,
     check_nonneg,
+    kernel_path,
     torch_chain,
 )
-from functional_optim._aliases._kernel_step import fused
 from functional_optim._base import GradientTransformation
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms.adam import scale_by_adamax
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.rms import (
@@ -30,19 +33,24 @@ def _build_adagrad(
     weight_decay: float,
     initial_accumulator_value: float,
     eps: float,
+    foreach: bool | None,
     maximize: bool,
+    differentiable: bool,
+    fused: bool | None,
 ) -> GradientTransformation:
     lr = check_lr(lr)
     check_nonneg(lr_decay, "lr_decay value")
     check_nonneg(weight_decay, "weight_decay value")
     check_nonneg(initial_accumulator_value, "initial_accumulator_value value")
     check_nonneg(eps, "epsilon value")
+    check_fused(fused, foreach, differentiable)
     tx = torch_chain(
         maximize, weight_decay, lr, scale_by_adagrad(lr_decay, eps, initial_accumulator_value)
     )
-    return fused(
+    return _kernel_step.fused(
         tx,
         "adagrad",
+        path=kernel_path("adagrad", foreach=foreach, fused=fused, differentiable=differentiable),
         lr=lr,
         weight_decay=weight_decay,
         lr_decay=lr_decay,
@@ -51,14 +59,18 @@ def _build_adagrad(
     )
 
 
+@transform_factory
 def adagrad(
     lr: LearningRate = 1e-2,
     lr_decay: float = 0,
     weight_decay: float = 0,
     initial_accumulator_value: float = 0,
     eps: float = 1e-10,
+    foreach: bool | None = None,
     *,
     maximize: bool = False,
+    differentiable: bool = False,
+    fused: bool | None = None,
 ) -> GradientTransformation:
     """Adagrad (``torch.optim.Adagrad``, dense gradients): ``chain(maximize,
     add_decayed_weights, scale_by_adagrad, scale_by_learning_rate)``, fused ``step``.
@@ -69,13 +81,18 @@ def adagrad(
         weight_decay: L2 penalty added to the gradient.
         initial_accumulator_value: starting value of the sums of squares.
         eps: added to the denominator.
+        foreach: torch's multi-tensor path (``True``) or its for-loop (``False``); None: the
+            fastest path for the tensors.
         maximize: maximize the objective.
+        differentiable: stored; runs the for-loop path.
+        fused: torch's fused CPU kernel (``torch._fused_adagrad_``).
 
     Returns:
         An injected ``GradientTransformation``.
 
     Raises:
         ValueError: with torch's messages.
+        RuntimeError: ``fused`` with ``foreach`` or ``differentiable`` (torch's messages).
     """
     return inject_hyperparams(_build_adagrad)(
         lr=lr,
@@ -83,12 +100,22 @@ def adagrad(
         weight_decay=weight_decay,
         initial_accumulator_value=initial_accumulator_value,
         eps=eps,
+        foreach=foreach,
         maximize=maximize,
+        differentiable=differentiable,
+        fused=fused,
     )
 
 
 def _build_adadelta(
-    lr: LearningRate, rho: float, eps: float, weight_decay: float, maximize: bool
+    lr: LearningRate,
+    rho: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool,
+    capturable: bool,
+    foreach: bool | None,
+    differentiable: bool,
 ) -> GradientTransformation:
     lr = check_lr(lr)
     if not 0.0 <= rho <= 1.0:
@@ -96,18 +123,32 @@ def _build_adadelta(
     check_nonneg(eps, "epsilon value")
     check_nonneg(weight_decay, "weight_decay value")
     tx = torch_chain(maximize, weight_decay, lr, scale_by_adadelta(rho, eps))
-    return fused(
-        tx, "adadelta", lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize
+    path = kernel_path(
+        "adadelta", foreach=foreach, capturable=capturable, differentiable=differentiable
+    )
+    return _kernel_step.fused(
+        tx,
+        "adadelta",
+        path=path,
+        lr=lr,
+        rho=rho,
+        eps=eps,
+        weight_decay=weight_decay,
+        maximize=maximize,
     )
 
 
+@transform_factory
 def adadelta(
     lr: LearningRate = 1.0,
     rho: float = 0.9,
     eps: float = 1e-6,
     weight_decay: float = 0,
+    foreach: bool | None = None,
     *,
+    capturable: bool = False,
     maximize: bool = False,
+    differentiable: bool = False,
 ) -> GradientTransformation:
     """Adadelta (``torch.optim.Adadelta``): ``chain(maximize, add_decayed_weights,
     scale_by_adadelta, scale_by_learning_rate)``, fused ``step``.
@@ -117,7 +158,11 @@ def adadelta(
         rho: decay of the running averages.
         eps: added inside the square roots.
         weight_decay: L2 penalty added to the gradient.
+        foreach: torch's multi-tensor path (``True``) or its for-loop (``False``); None: the
+            fastest path for the tensors.
+        capturable: stored; a step on params off CUDA/XPU/HPU raises torch's AssertionError.
         maximize: maximize the objective.
+        differentiable: stored; runs the for-loop path.
 
     Returns:
         An injected ``GradientTransformation``.
@@ -126,7 +171,14 @@ def adadelta(
         ValueError: with torch's messages.
     """
     return inject_hyperparams(_build_adadelta)(
-        lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize
+        lr=lr,
+        rho=rho,
+        eps=eps,
+        weight_decay=weight_decay,
+        maximize=maximize,
+        capturable=capturable,
+        foreach=foreach,
+        differentiable=differentiable,
     )
 
 
@@ -135,7 +187,10 @@ def _build_adamax(
     betas: tuple[float | Tensor, float | Tensor],
     eps: float,
     weight_decay: float,
+    foreach: bool | None,
     maximize: bool,
+    differentiable: bool,
+    capturable: bool,
 ) -> GradientTransformation:
     lr = check_lr(lr)
     check_nonneg(eps, "epsilon value")
@@ -143,9 +198,12 @@ def _build_adamax(
     check_nonneg(weight_decay, "weight_decay value")
     b1, b2 = as_float(betas[0]), as_float(betas[1])
     tx = torch_chain(maximize, weight_decay, lr, scale_by_adamax(b1, b2, eps))
-    return fused(
+    return _kernel_step.fused(
         tx,
         "adamax",
+        path=kernel_path(
+            "adamax", foreach=foreach, capturable=capturable, differentiable=differentiable
+        ),
         lr=lr,
         b1=b1,
         b2=b2,
@@ -155,13 +213,17 @@ def _build_adamax(
     )
 
 
+@transform_factory
 def adamax(
     lr: LearningRate = 2e-3,
     betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0,
+    foreach: bool | None = None,
     *,
     maximize: bool = False,
+    differentiable: bool = False,
+    capturable: bool = False,
 ) -> GradientTransformation:
     """Adamax (``torch.optim.Adamax``): ``chain(maximize, add_decayed_weights,
     scale_by_adamax, scale_by_learning_rate)``, fused ``step``.
@@ -171,7 +233,11 @@ def adamax(
         betas: decay rates of the first moment and of the infinity norm.
         eps: added to ``|g|``.
         weight_decay: L2 penalty added to the gradient.
+        foreach: torch's multi-tensor path (``True``) or its for-loop (``False``); None: the
+            fastest path for the tensors.
         maximize: maximize the objective.
+        differentiable: stored; runs the for-loop path.
+        capturable: stored; a step on params off CUDA/XPU/HPU raises torch's AssertionError.
 
     Returns:
         An injected ``GradientTransformation``.
@@ -180,5 +246,12 @@ def adamax(
         ValueError: with torch's messages.
     """
     return inject_hyperparams(_build_adamax)(
-        lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        foreach=foreach,
+        maximize=maximize,
+        differentiable=differentiable,
+        capturable=capturable,
     )

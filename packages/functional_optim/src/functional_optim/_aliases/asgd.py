@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from functional_optim._aliases import _kernel_step
 from functional_optim._aliases._common import (
     check_lr,
     check_nonneg,
+    kernel_path,
     maximize_tx,
 )
-from functional_optim._aliases._kernel_step import fused
 from functional_optim._base import GradientTransformation, chain
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms.asgd import scale_by_asgd
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.weight_decay import add_decayed_weights
@@ -24,7 +26,10 @@ def _build_asgd(
     alpha: float,
     t0: float,
     weight_decay: float,
+    foreach: bool | None,
     maximize: bool,
+    differentiable: bool,
+    capturable: bool,
 ) -> GradientTransformation:
     if callable(lr):
         raise TypeError(
@@ -37,9 +42,12 @@ def _build_asgd(
         add_decayed_weights(weight_decay),
         scale_by_asgd(lr if isinstance(lr, Tensor) else float(lr), lambd, alpha, t0),
     )
-    return fused(
+    return _kernel_step.fused(
         tx,
         "asgd",
+        path=kernel_path(
+            "asgd", foreach=foreach, capturable=capturable, differentiable=differentiable
+        ),
         lr=lr,
         lambd=lambd,
         alpha=alpha,
@@ -49,14 +57,17 @@ def _build_asgd(
     )
 
 
+@transform_factory
 def asgd(
     lr: float | Tensor = 1e-2,
     lambd: float = 1e-4,
     alpha: float = 0.75,
     t0: float = 1e6,
     weight_decay: float = 0,
-    *,
+    foreach: bool | None = None,
     maximize: bool = False,
+    differentiable: bool = False,
+    capturable: bool = False,
 ) -> GradientTransformation:
     """Averaged SGD (``torch.optim.ASGD``): ``chain(maximize, add_decayed_weights,
     scale_by_asgd)`` with a fused ``step``. The averaged params are ``state``'s ``ax``.
@@ -69,7 +80,11 @@ def asgd(
         alpha: power of the ``eta`` update.
         t0: step at which averaging starts.
         weight_decay: L2 penalty added to the gradient.
+        foreach: torch's multi-tensor path (``True``) or its for-loop (``False``); None: the
+            fastest path for the tensors.
         maximize: maximize the objective.
+        differentiable: stored; runs the for-loop path.
+        capturable: stored; a step on params off CUDA/XPU/HPU raises torch's AssertionError.
 
     Returns:
         An injected ``GradientTransformation``; ``step`` runs ``kernels.asgd``.
@@ -79,5 +94,13 @@ def asgd(
         TypeError: if ``lr`` is a schedule.
     """
     return inject_hyperparams(_build_asgd)(
-        lr=lr, lambd=lambd, alpha=alpha, t0=t0, weight_decay=weight_decay, maximize=maximize
+        lr=lr,
+        lambd=lambd,
+        alpha=alpha,
+        t0=t0,
+        weight_decay=weight_decay,
+        foreach=foreach,
+        maximize=maximize,
+        differentiable=differentiable,
+        capturable=capturable,
     )

@@ -7,6 +7,7 @@ from torch import Tensor
 
 from functional_optim._aliases._common import as_float
 from functional_optim._base import GradientTransformation, OptState
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.lbfgs import LbfgsState, lbfgs_minimize
 from functional_optim._tree import PyTree, tree_leaves
@@ -19,6 +20,7 @@ _NEEDS_CLOSURE = (
 )
 
 
+@transform_factory
 def scale_by_lbfgs(
     lr: float = 1.0,
     max_iter: int = 20,
@@ -96,6 +98,7 @@ def _build_lbfgs(
     )
 
 
+@transform_factory
 def lbfgs(
     lr: float | Tensor = 1,
     max_iter: int = 20,

@@ -10,6 +10,7 @@ from functional_optim._aliases._common import (
 )
 from functional_optim._aliases._kernel_step import fused
 from functional_optim._base import GradientTransformation, chain
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms._leaf import is_traced
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.muon import (
@@ -71,6 +72,7 @@ def _build_muon(
     )
 
 
+@transform_factory
 def muon(
     lr: LearningRate = 1e-3,
     weight_decay: float = 0.1,

@@ -22,6 +22,7 @@ from functional_optim._aliases._optax_common import (
     masked_decay,
 )
 from functional_optim._base import GradientTransformation, chain
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms.masking import MaskOrFn
 from functional_optim._transforms.optax_adaptive import (
     scale_by_adan,
@@ -65,6 +66,7 @@ def _lamb(
     )
 
 
+@transform_factory
 def lamb(
     learning_rate: LearningRate,
     b1: Scalar = 0.9,
@@ -120,6 +122,7 @@ def _nadamw(
     )
 
 
+@transform_factory
 def nadamw(
     learning_rate: LearningRate,
     b1: Scalar = 0.9,
@@ -174,6 +177,7 @@ def _amsgrad(
     )
 
 
+@transform_factory
 def amsgrad(
     learning_rate: LearningRate,
     b1: Scalar = 0.9,
@@ -223,6 +227,7 @@ def _adabelief(
     )
 
 
+@transform_factory
 def adabelief(
     learning_rate: LearningRate,
     b1: Scalar = 0.9,
@@ -258,6 +263,7 @@ def _yogi(
     )
 
 
+@transform_factory
 def yogi(
     learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-3
 ) -> GradientTransformation:
@@ -300,6 +306,7 @@ def _novograd(
     )
 
 
+@transform_factory
 def novograd(
     learning_rate: LearningRate,
     b1: Scalar = 0.9,
@@ -354,6 +361,7 @@ def _adan(
     )
 
 
+@transform_factory
 def adan(
     learning_rate: LearningRate,
     b1: Scalar = 0.98,

@@ -7,6 +7,7 @@ from torch import Tensor
 
 from functional_optim._aliases._optax_common import guarded
 from functional_optim._base import GradientTransformation, chain
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms._leaf import check_range
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.scale import Schedule, scale_by_learning_rate
@@ -57,6 +58,7 @@ def _sgd(
     return guarded(schedule_free(base, lr, b1, weight_lr_power), True)
 
 
+@transform_factory
 def schedule_free_sgd(
     learning_rate: Scalar = 1.0,
     warmup_steps: int | None = None,
@@ -103,6 +105,7 @@ def _adamw(
     return guarded(schedule_free(base, lr, b1, weight_lr_power), True)
 
 
+@transform_factory
 def schedule_free_adamw(
     learning_rate: Scalar = 0.0025,
     warmup_steps: int | None = None,

@@ -21,11 +21,18 @@ from functional_optim._aliases._optax_common import (
     masked_decay,
 )
 from functional_optim._base import GradientTransformation, chain
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms.masking import MaskOrFn, masked
 from functional_optim._transforms.momentum import trace
 from functional_optim._transforms.optax_adaptive import scale_by_lion
 from functional_optim._transforms.optax_layerwise import scale_by_sm3
-from functional_optim._transforms.optax_misc import add_noise, scale_by_sign, scale_by_trust_ratio
+from functional_optim._transforms.optax_misc import (
+    NoiseKey,
+    add_noise,
+    noise_seed,
+    scale_by_sign,
+    scale_by_trust_ratio,
+)
 from functional_optim._transforms.scale import scale_by_learning_rate
 from functional_optim._transforms.weight_decay import add_decayed_weights
 
@@ -53,6 +60,7 @@ def _lion(
     )
 
 
+@transform_factory
 def lion(
     learning_rate: LearningRate,
     b1: Scalar = 0.9,
@@ -106,6 +114,7 @@ def _lars(
     )
 
 
+@transform_factory
 def lars(
     learning_rate: LearningRate,
     weight_decay: Scalar = 0.0,
@@ -152,6 +161,7 @@ def _sm3(learning_rate: LearningRate, momentum: Scalar) -> GradientTransformatio
     )
 
 
+@transform_factory
 def sm3(learning_rate: LearningRate, momentum: Scalar = 0.9) -> GradientTransformation:
     """SM3 (Anil et al., 2019): memory-efficient adaptive scaling with per-dimension accumulators.
 
@@ -183,6 +193,7 @@ def _fromage(learning_rate: Scalar, min_norm: Scalar) -> GradientTransformation:
     )
 
 
+@transform_factory
 def fromage(learning_rate: Scalar, min_norm: Scalar = 1e-6) -> GradientTransformation:
     """Fromage (Bernstein et al., 2020): trust-ratio steps shrunk by ``1 / sqrt(1 + lr**2)``.
 
@@ -197,17 +208,23 @@ def fromage(learning_rate: Scalar, min_norm: Scalar = 1e-6) -> GradientTransform
 
 
 def _noisy_sgd(
-    learning_rate: LearningRate, eta: Scalar, gamma: Scalar, seed: int
+    learning_rate: LearningRate, eta: Scalar, gamma: Scalar, key: int
 ) -> GradientTransformation:
     check(learning_rate, eta=(eta, 0.0, None), gamma=(gamma, 0.0, None))
     return guarded(
-        chain(add_noise(eta, gamma, seed), scale_by_learning_rate(learning_rate)),
+        chain(add_noise(eta, gamma, key), scale_by_learning_rate(learning_rate)),
         False,
     )
 
 
+@transform_factory
 def noisy_sgd(
-    learning_rate: LearningRate, eta: Scalar = 0.01, gamma: Scalar = 0.55, seed: int = 0
+    learning_rate: LearningRate,
+    eta: Scalar = 0.01,
+    gamma: Scalar = 0.55,
+    key: NoiseKey | None = None,
+    *,
+    seed: NoiseKey | None = None,
 ) -> GradientTransformation:
     """SGD on gradients plus Gaussian noise of variance ``eta / t**gamma`` (Neelakantan et al.).
 
@@ -215,12 +232,17 @@ def noisy_sgd(
         learning_rate: a float, a 0-d tensor or a schedule.
         eta: base variance of the noise.
         gamma: decay exponent of the variance.
-        seed: seed of the noise (torch's generator: optax's distribution, not its samples).
+        key: optax's PRNG key: an int seed, a one-element integer tensor or a
+            ``torch.Generator`` (torch's generator: optax's distribution, not its samples).
+        seed: the older name of ``key``.
 
     Returns:
         An injected ``GradientTransformation``.
+
+    Raises:
+        TypeError: both ``key`` and ``seed``, or a key of another type.
     """
-    return inject(_noisy_sgd)(learning_rate, eta, gamma, seed)
+    return inject(_noisy_sgd)(learning_rate, eta, gamma, noise_seed(key, seed, name="noisy_sgd"))
 
 
 def _sign_sgd(learning_rate: LearningRate) -> GradientTransformation:
@@ -231,6 +253,7 @@ def _sign_sgd(learning_rate: LearningRate) -> GradientTransformation:
     )
 
 
+@transform_factory
 def sign_sgd(learning_rate: LearningRate) -> GradientTransformation:
     """signSGD (Bernstein et al., 2018): ``-lr * sign(g)``.
 

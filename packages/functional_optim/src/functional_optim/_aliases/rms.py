@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import torch
 
+from functional_optim._aliases import _kernel_step
 from functional_optim._aliases._common import (
     LearningRate,
     as_float,
     check_lr,
     check_nonneg,
+    kernel_path,
     maximize_tx,
     torch_chain,
 )
-from functional_optim._aliases._kernel_step import fused
 from functional_optim._base import GradientTransformation, chain
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.momentum import trace
 from functional_optim._transforms.rms import scale_by_rms
@@ -30,7 +32,10 @@ def _build_rmsprop(
     weight_decay: float,
     momentum: float,
     centered: bool,
+    capturable: bool,
+    foreach: bool | None,
     maximize: bool,
+    differentiable: bool,
 ) -> GradientTransformation:
     lr = check_lr(lr)
     check_nonneg(eps, "epsilon value")
@@ -40,9 +45,12 @@ def _build_rmsprop(
     tx = torch_chain(
         maximize, weight_decay, lr, scale_by_rms(alpha, eps, centered), trace(momentum)
     )
-    return fused(
+    return _kernel_step.fused(
         tx,
         "rmsprop",
+        path=kernel_path(
+            "rmsprop", foreach=foreach, capturable=capturable, differentiable=differentiable
+        ),
         lr=lr,
         alpha=alpha,
         eps=eps,
@@ -53,6 +61,7 @@ def _build_rmsprop(
     )
 
 
+@transform_factory
 def rmsprop(
     lr: LearningRate = 1e-2,
     alpha: float = 0.99,
@@ -60,8 +69,10 @@ def rmsprop(
     weight_decay: float = 0,
     momentum: float = 0,
     centered: bool = False,
-    *,
+    capturable: bool = False,
+    foreach: bool | None = None,
     maximize: bool = False,
+    differentiable: bool = False,
 ) -> GradientTransformation:
     """RMSprop (``torch.optim.RMSprop``): ``chain(maximize, add_decayed_weights, scale_by_rms,
     trace(momentum), scale_by_learning_rate)``, fused ``step``.
@@ -73,7 +84,11 @@ def rmsprop(
         weight_decay: L2 penalty added to the gradient.
         momentum: momentum factor.
         centered: normalise by the estimated variance.
+        capturable: stored; a step on params off CUDA/XPU/HPU raises torch's AssertionError.
+        foreach: torch's multi-tensor path (``True``) or its for-loop (``False``); None: the
+            fastest path for the tensors.
         maximize: maximize the objective.
+        differentiable: stored; runs the for-loop path.
 
     Returns:
         An injected ``GradientTransformation``.
@@ -88,7 +103,10 @@ def rmsprop(
         weight_decay=weight_decay,
         momentum=momentum,
         centered=centered,
+        capturable=capturable,
+        foreach=foreach,
         maximize=maximize,
+        differentiable=differentiable,
     )
 
 
@@ -96,7 +114,10 @@ def _build_rprop(
     lr: LearningRate,
     etas: tuple[float, float],
     step_sizes: tuple[float, float],
+    capturable: bool,
+    foreach: bool | None,
     maximize: bool,
+    differentiable: bool,
 ) -> GradientTransformation:
     if callable(lr):
         raise TypeError("rprop's lr only sets the initial step sizes; pass a float, not a schedule")
@@ -108,9 +129,12 @@ def _build_rprop(
         scale_by_rprop(as_float(lr), etas, step_sizes),
         scale(-1.0),
     )
-    return fused(
+    return _kernel_step.fused(
         tx,
         "rprop",
+        path=kernel_path(
+            "rprop", foreach=foreach, capturable=capturable, differentiable=differentiable
+        ),
         step_size_min=float(step_sizes[0]),
         step_size_max=float(step_sizes[1]),
         etaminus=float(etas[0]),
@@ -119,12 +143,16 @@ def _build_rprop(
     )
 
 
+@transform_factory
 def rprop(
     lr: float | torch.Tensor = 1e-2,
     etas: tuple[float, float] = (0.5, 1.2),
     step_sizes: tuple[float, float] = (1e-6, 50),
     *,
+    capturable: bool = False,
+    foreach: bool | None = None,
     maximize: bool = False,
+    differentiable: bool = False,
 ) -> GradientTransformation:
     """Rprop (``torch.optim.Rprop``): ``chain(maximize, scale_by_rprop, scale(-1))``, fused
     ``step``. ``lr`` is the initial step size, read when the state is created (as torch reads
@@ -134,7 +162,11 @@ def rprop(
         lr: initial step size.
         etas: ``(etaminus, etaplus)``.
         step_sizes: ``(min, max)`` step sizes.
+        capturable: stored; a step on params off CUDA/XPU/HPU raises torch's AssertionError.
+        foreach: torch's multi-tensor path (``True``) or its for-loop (``False``); None: the
+            fastest path for the tensors.
         maximize: maximize the objective.
+        differentiable: stored; runs the for-loop path.
 
     Returns:
         An injected ``GradientTransformation``.
@@ -143,5 +175,11 @@ def rprop(
         ValueError: with torch's messages.
     """
     return inject_hyperparams(_build_rprop)(
-        lr=lr, etas=etas, step_sizes=step_sizes, maximize=maximize
+        lr=lr,
+        etas=etas,
+        step_sizes=step_sizes,
+        capturable=capturable,
+        foreach=foreach,
+        maximize=maximize,
+        differentiable=differentiable,
     )

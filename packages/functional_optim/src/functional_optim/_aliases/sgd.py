@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from functional_optim._aliases import _kernel_step
 from functional_optim._aliases._common import (
     LearningRate,
+    check_fused,
     check_lr,
     check_nonneg,
+    kernel_path,
     torch_chain,
 )
-from functional_optim._aliases._kernel_step import fused
 from functional_optim._base import GradientTransformation
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.momentum import trace
 
@@ -25,16 +28,21 @@ def _build(
     weight_decay: float | Tensor,
     nesterov: bool,
     maximize: bool,
+    foreach: bool | None,
+    differentiable: bool,
+    fused: bool | None,
 ) -> GradientTransformation:
     lr = check_lr(lr)
     check_nonneg(momentum, "momentum value")
     check_nonneg(weight_decay, "weight_decay value")  # type: ignore[arg-type]
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+    check_fused(fused, foreach, differentiable)
     tx = torch_chain(maximize, weight_decay, lr, trace(momentum, dampening, nesterov))
-    return fused(
+    return _kernel_step.fused(
         tx,
         "sgd",
+        path=kernel_path("sgd", foreach=foreach, fused=fused, differentiable=differentiable),
         lr=lr,
         momentum=momentum,
         dampening=dampening,
@@ -44,6 +52,7 @@ def _build(
     )
 
 
+@transform_factory
 def sgd(
     lr: LearningRate = 1e-3,
     momentum: float = 0,
@@ -52,6 +61,9 @@ def sgd(
     nesterov: bool = False,
     *,
     maximize: bool = False,
+    foreach: bool | None = None,
+    differentiable: bool = False,
+    fused: bool | None = None,
 ) -> GradientTransformation:
     """SGD (``torch.optim.SGD``): ``chain(maximize, add_decayed_weights, trace,
     scale_by_learning_rate)`` with a fused ``step`` (``functional_optim.kernels.sgd``).
@@ -63,12 +75,17 @@ def sgd(
         weight_decay: L2 penalty added to the gradient.
         nesterov: Nesterov momentum.
         maximize: maximize the objective.
+        foreach: torch's multi-tensor path (``True``) or its for-loop (``False``); None: the
+            fastest path for the tensors.
+        differentiable: stored; runs the for-loop path.
+        fused: torch's fused kernel (``torch._fused_sgd_``).
 
     Returns:
         An injected ``GradientTransformation``.
 
     Raises:
         ValueError: with torch's messages, e.g. ``Invalid momentum value: -1``.
+        RuntimeError: ``fused`` with ``foreach`` or ``differentiable`` (torch's messages).
     """
     return inject_hyperparams(_build)(
         lr=lr,
@@ -77,4 +94,7 @@ def sgd(
         weight_decay=weight_decay,
         nesterov=nesterov,
         maximize=maximize,
+        foreach=foreach,
+        differentiable=differentiable,
+        fused=fused,
     )

@@ -12,6 +12,7 @@ from functional_optim._aliases._common import (
 )
 from functional_optim._aliases._kernel_step import fused
 from functional_optim._base import GradientTransformation, chain
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.scale import scale_by_learning_rate
 from functional_optim._transforms.sparse_adam import (
@@ -37,6 +38,7 @@ def _build_sparse_adam(
     return fused(tx, "sparse_adam", lr=lr, b1=b1, b2=b2, eps=eps, maximize=maximize)
 
 
+@transform_factory
 def sparse_adam(
     lr: LearningRate = 1e-3,
     betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),

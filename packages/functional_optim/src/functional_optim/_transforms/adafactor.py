@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms import _ops
 from functional_optim._transforms._leafwise import leafwise_lists
 from functional_optim._tree import PyTree, tree_flatten
@@ -86,6 +87,7 @@ def _machine_eps(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).eps)
 
 
+@transform_factory
 def scale_by_adafactor(
     lr: float | Tensor = 1e-2,
     beta2_decay: float = -0.8,

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState
 from functional_optim._lists import LeafView, ListTransform, with_active_leaves
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms import _ops
 from functional_optim._tree import PyTree, tree_zeros_like
 
@@ -33,6 +34,7 @@ class ScaleByAdamaxState(NamedTuple):
     nu: PyTree
 
 
+@transform_factory
 def scale_by_adam(
     b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, amsgrad: bool = False
 ) -> GradientTransformation:
@@ -156,6 +158,7 @@ def _bias_corrections(
     return bc1, bc2
 
 
+@transform_factory
 def scale_by_adamax(
     b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
 ) -> GradientTransformation:

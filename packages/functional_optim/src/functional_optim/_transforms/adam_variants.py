@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms import _ops
 from functional_optim._transforms._leafwise import leafwise_lists
 from functional_optim._tree import PyTree, tree_flatten, tree_zeros_like
@@ -52,6 +53,7 @@ def _momentum_cache(b1: float, momentum_decay: float, step: Tensor) -> Tensor:
     return b1 * (1.0 - 0.5 * torch.pow(0.96, step * momentum_decay))
 
 
+@transform_factory
 def scale_by_nadam(
     b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, momentum_decay: float = 4e-3
 ) -> GradientTransformation:
@@ -110,6 +112,7 @@ def scale_by_nadam(
     return GradientTransformation(init, update, lists=lists)
 
 
+@transform_factory
 def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
     """Rescale updates by RAdam: bias-corrected momentum, with the adaptive rate used only once
     its variance is tractable (``rho_t > 5``) and then rectified.

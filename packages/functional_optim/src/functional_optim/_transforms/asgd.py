@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms import _ops
 from functional_optim._transforms._leafwise import leafwise_lists
 from functional_optim._tree import PyTree, tree_flatten, tree_zeros_like
@@ -42,6 +43,7 @@ def _scalar(value: float | Tensor, dtype: torch.dtype, device: torch.device) -> 
     return torch.full((), value, dtype=dtype, device=device)
 
 
+@transform_factory
 def scale_by_asgd(
     lr: float | Tensor = 1e-2, lambd: float = 1e-4, alpha: float = 0.75, t0: float = 1e6
 ) -> GradientTransformation:

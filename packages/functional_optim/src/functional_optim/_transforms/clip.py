@@ -1,4 +1,8 @@
-"""``clip_by_global_norm``: ``torch.nn.utils.clip_grad_norm_`` as a transform."""
+"""Clipping transforms: element-wise (``clip``), per param block (``clip_by_block_rms``) and by
+the global norm (``clip_by_global_norm``, ``torch.nn.utils.clip_grad_norm_`` as a transform).
+
+optax's names, defaults and formulas; a ``None`` update stays ``None``.
+"""
 
 from __future__ import annotations
 
@@ -15,12 +19,68 @@ from functional_optim._lists import (
     foreach_scale,
     foreach_scaled,
 )
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms import _ops
+from functional_optim._transforms._stateless import stateless
 from functional_optim._tree import PyTree, global_norm, tree_flatten
 
-__all__ = ["clip_by_global_norm"]
+__all__ = ["clip", "clip_by_block_rms", "clip_by_global_norm"]
+
+Scalar = float | Tensor
 
 
+@transform_factory
+def clip(max_delta: Scalar) -> GradientTransformation:
+    """Clip every update element to ``[-max_delta, max_delta]``.
+
+    Args:
+        max_delta: the largest allowed magnitude (>= 0).
+
+    Returns:
+        A stateless ``GradientTransformation``.
+
+    Raises:
+        ValueError: if ``max_delta`` is negative.
+    """
+    if not isinstance(max_delta, Tensor) and max_delta < 0:
+        raise ValueError(f"Invalid max_delta: {max_delta}; it must be >= 0")
+
+    def fn(u: Tensor) -> Tensor:
+        return torch.clamp(u, -max_delta, max_delta)  # type: ignore[arg-type]
+
+    def list_fn(updates: list[Tensor]) -> list[Tensor]:
+        out = list(torch._foreach_clamp_min(updates, -max_delta))  # type: ignore[arg-type]
+        torch._foreach_clamp_max_(out, max_delta)  # type: ignore[arg-type]
+        return out
+
+    tensor_bound = isinstance(max_delta, Tensor)
+    return stateless(fn, "clip", {"max_delta": max_delta}, None if tensor_bound else list_fn)
+
+
+@transform_factory
+def clip_by_block_rms(threshold: Scalar) -> GradientTransformation:
+    """Divide each update by ``max(1, rms(update) / threshold)`` (per param block).
+
+    Args:
+        threshold: the largest allowed root mean square of a block (> 0).
+
+    Returns:
+        A stateless ``GradientTransformation``.
+
+    Raises:
+        ValueError: if ``threshold`` is not positive.
+    """
+    if not isinstance(threshold, Tensor) and threshold <= 0:
+        raise ValueError(f"Invalid threshold: {threshold}; it must be > 0")
+
+    def fn(u: Tensor) -> Tensor:
+        rms = torch.sqrt(torch.mean(u * u))
+        return u / torch.clamp(rms / threshold, min=1.0)
+
+    return stateless(fn, "clip_by_block_rms", {"threshold": threshold})
+
+
+@transform_factory
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """Scale all updates by ``min(max_norm / (total_norm + 1e-6), 1)``.
 

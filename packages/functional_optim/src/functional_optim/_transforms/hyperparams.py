@@ -16,11 +16,18 @@ from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState, StepFn
 from functional_optim._lists import LeafView, ListTransform
+from functional_optim._recipes import record
 from functional_optim._tree import PyTree
 
-__all__ = ["InjectHyperparamsState", "inject_hyperparams", "injected_inner"]
+__all__ = [
+    "InjectHyperparamsState",
+    "inject_hyperparams",
+    "injected_inner",
+    "injected_nodes",
+    "replace_injected",
+]
 
-Builder = Callable[[dict[str, Any]], GradientTransformation]
+Builder = Callable[[dict[str, Any]], tuple[GradientTransformation, "list[dict[str, Any]] | None"]]
 
 #: an injected transform's ``init`` -> its ``build(hyperparams)`` (read by :func:`injected_inner`)
 _BUILDERS: weakref.WeakKeyDictionary[Callable[..., Any], Builder] = weakref.WeakKeyDictionary()
@@ -47,14 +54,62 @@ def _cache_key(hyperparams: dict[str, Any]) -> Hashable | None:
     return items
 
 
-def _forward(hyperparams: dict[str, Any], inner: OptState) -> OptState:
-    """Pass the values down when the factory itself returns an injected transform (an alias)."""
-    if not isinstance(inner, InjectHyperparamsState):
-        return inner
-    shared = {k: v for k, v in hyperparams.items() if k in inner.hyperparams}
-    if all(inner.hyperparams[k] is v for k, v in shared.items()):
-        return inner
-    return inner._replace(hyperparams={**inner.hyperparams, **shared})
+def injected_nodes(state: OptState) -> list[InjectHyperparamsState]:
+    """The outermost injected states of ``state`` in tree order (``[state]`` when ``state``
+    is itself injected).
+
+    Walks tuples, NamedTuples, lists and dicts; does not look inside an injected state.
+    """
+    out: list[InjectHyperparamsState] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, InjectHyperparamsState):
+            out.append(node)
+        elif isinstance(node, (tuple, list)):
+            for child in node:
+                walk(child)
+        elif isinstance(node, dict):
+            for child in node.values():
+                walk(child)
+
+    walk(state)
+    return out
+
+
+def replace_injected(state: OptState, new: list[dict[str, Any]]) -> OptState:
+    """``state`` with the hyperparams of its outermost injected states (in the order of
+    :func:`injected_nodes`) replaced by ``new``; unchanged nodes are kept as they are."""
+    values = iter(new)
+
+    def rebuild(node: Any) -> Any:
+        if isinstance(node, InjectHyperparamsState):
+            hyper = next(values)
+            same = hyper.keys() == node.hyperparams.keys() and all(
+                node.hyperparams[k] is v for k, v in hyper.items()
+            )
+            return node if same else node._replace(hyperparams=dict(hyper))
+        if isinstance(node, tuple):
+            children = [rebuild(c) for c in node]
+            if all(a is b for a, b in zip(children, node, strict=True)):
+                return node
+            return type(node)(*children) if hasattr(node, "_fields") else tuple(children)
+        if isinstance(node, list):
+            return [rebuild(c) for c in node]
+        if isinstance(node, dict):
+            return {k: rebuild(v) for k, v in node.items()}
+        return node
+
+    return rebuild(state)
+
+
+def _forward(template: list[dict[str, Any]] | None, inner: OptState) -> OptState:
+    """Give the injected states nested in ``inner`` the hyperparams that the factory put in
+    the transform it just built (``template``: those of ``built.init([])``), so a changed
+    outer hyperparameter reaches an alias built inside the factory (e.g.
+    ``inject_hyperparams(lambda lr: chain(clip, adamw(lr=lr)))``)."""
+    if not template or len(injected_nodes(inner)) != len(template):
+        return inner  # none nested, or a structure that depends on the params (kept as is)
+    return replace_injected(inner, template)
 
 
 def _bind(
@@ -123,19 +178,26 @@ def inject_hyperparams(
         kwargs = _bind(factory, args, given)
         hyper = {k: v for k, v in kwargs.items() if not callable(v) and k not in static_names}
         static = {k: v for k, v in kwargs.items() if callable(v) or k in static_names}
-        cache: dict[Hashable, GradientTransformation] = {}
+        cache: dict[Hashable, tuple[GradientTransformation, list[dict[str, Any]] | None]] = {}
 
-        def build(values: dict[str, Any]) -> GradientTransformation:
+        def built(
+            values: dict[str, Any],
+        ) -> tuple[GradientTransformation, list[dict[str, Any]] | None]:
+            """The transform at ``values`` and its nested injected hyperparams (None: none)."""
             key = _cache_key(values)
             if key is not None and key in cache:
                 return cache[key]
             tx = factory(**static, **values)
+            nested = [dict(n.hyperparams) for n in injected_nodes(tx.init([]))] if deep else []
+            out = (tx, nested or None)
             if key is not None:
                 cache.clear()
-                cache[key] = tx
-            return tx
+                cache[key] = out
+            return out
 
-        base = build(hyper)
+        deep = True  # look for nested injected transforms (only if the first build has some)
+        base, base_nested = built(hyper)
+        deep = base_nested is not None
 
         def init(params: PyTree) -> InjectHyperparamsState:
             return InjectHyperparamsState(dict(hyper), base.init(params))
@@ -143,35 +205,49 @@ def inject_hyperparams(
         def update(
             updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
         ) -> tuple[PyTree, OptState]:
-            tx = build(state.hyperparams)
-            inner = _forward(state.hyperparams, state.inner_state)
+            tx, nested = built(state.hyperparams)
+            inner = _forward(nested, state.inner_state)
             updates, inner = tx.update(updates, inner, params, inplace=inplace)
             return updates, InjectHyperparamsState(state.hyperparams, inner)
 
         def step(params: PyTree, grads: PyTree, state: OptState) -> OptState:
-            inner_step = build(state.hyperparams).step
-            assert inner_step is not None
-            inner = inner_step(params, grads, _forward(state.hyperparams, state.inner_state))
+            tx, nested = built(state.hyperparams)
+            assert tx.step is not None
+            inner = tx.step(params, grads, _forward(nested, state.inner_state))
             return InjectHyperparamsState(state.hyperparams, inner)
 
         def apply(
             updates: list[Tensor], state: OptState, view: LeafView
         ) -> tuple[list[Tensor], OptState]:
-            inner_lists = build(state.hyperparams).lists
-            assert inner_lists is not None
-            inner = _forward(state.hyperparams, state.inner_state)
+            tx, nested = built(state.hyperparams)
+            assert tx.lists is not None
+            inner_lists = tx.lists
+            inner = _forward(nested, state.inner_state)
             updates, inner = inner_lists.apply(updates, inner, view)
             return updates, InjectHyperparamsState(state.hyperparams, inner)
 
-        _BUILDERS[init] = build
+        _BUILDERS[init] = built
         fused: StepFn | None = step if base.step is not None else None
         lists = None
         if base.lists is not None:
             writes = base.lists.writes_updates
             lists = ListTransform("inject_hyperparams", hyper, apply, writes)
-        return GradientTransformation(init, update, fused, lists)
+        injected = GradientTransformation(init, update, fused, lists)
+        record(injected, _injected_call, (factory, tuple(sorted(static_names)), *args), given)
+        return injected
 
     return wrapped
+
+
+def _injected_call(
+    factory: Callable[..., GradientTransformation],
+    static_args: tuple[str, ...],
+    *args: Any,
+    **kwargs: Any,
+) -> GradientTransformation:
+    """``inject_hyperparams(factory, static_args)(*args, **kwargs)`` (how an injected
+    transform is pickled)."""
+    return inject_hyperparams(factory, static_args)(*args, **kwargs)
 
 
 def injected_inner(
@@ -187,7 +263,8 @@ def injected_inner(
         ``(inner transform, inner state)``, or None when ``tx`` is not an injected transform
         (or ``state`` is not its state).
     """
-    build = _BUILDERS.get(tx.init)
-    if build is None or not isinstance(state, InjectHyperparamsState):
+    found = _BUILDERS.get(tx.init)
+    if found is None or not isinstance(state, InjectHyperparamsState):
         return None
-    return build(state.hyperparams), _forward(state.hyperparams, state.inner_state)
+    inner_tx, nested = found(state.hyperparams)
+    return inner_tx, _forward(nested, state.inner_state)

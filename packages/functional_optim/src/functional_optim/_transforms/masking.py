@@ -19,6 +19,7 @@ from torch import Tensor
 from functional_optim._base import GradientTransformation, OptState
 from functional_optim._fusion import view_step
 from functional_optim._lists import LeafView, ListApplyFn, ListTransform
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms.optax_misc import set_to_zero
 from functional_optim._tree import NAMESPACE, NONE_IS_LEAF, PyTree, TreeSpec, tree_flatten
 
@@ -116,6 +117,7 @@ def _run_masked(
     return tree_flatten(out)[0], new_state
 
 
+@transform_factory
 def masked(inner: GradientTransformation, mask: MaskOrFn) -> GradientTransformation:
     """Apply ``inner`` only where ``mask`` is True; other updates pass through unchanged.
 
@@ -190,6 +192,7 @@ def _run_subset(
     return out, state
 
 
+@transform_factory
 def multi_transform(
     transforms: Mapping[Hashable, GradientTransformation],
     param_labels: PyTree | Callable[[PyTree], PyTree],
@@ -321,6 +324,7 @@ def multi_transform(
     return GradientTransformation(init, update, fused, lists)
 
 
+@transform_factory
 def freeze(mask: MaskOrFn) -> GradientTransformation:
     """Zero the updates where ``mask`` is True (``masked(set_to_zero(), mask)``).
 

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState
 from functional_optim._lists import LeafView, ListTransform
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms import _ops
 from functional_optim._tree import PyTree, tree_flatten
 
@@ -21,6 +22,7 @@ class TraceState(NamedTuple):
     momentum_buffer: PyTree
 
 
+@transform_factory
 def trace(
     momentum: float, dampening: float = 0.0, nesterov: bool = False
 ) -> GradientTransformation:

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms import _ops
 from functional_optim._tree import PyTree, tree_leaves, tree_zeros_like
 from functional_optim.kernels.muon import adjusted_lr_ratio, newton_schulz
@@ -52,6 +53,7 @@ def check_muon_inputs(params: list[Tensor | None], grads: list[Tensor | None]) -
             raise RuntimeError("Muon does not support sparse gradients")
 
 
+@transform_factory
 def scale_by_muon(
     momentum: float = 0.95,
     nesterov: bool = True,

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState
 from functional_optim._lists import LeafView, ListTransform
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms import _ops
 from functional_optim._transforms._leaf import debias, moment, store
 from functional_optim._transforms._leafwise import leafwise_lists
@@ -108,6 +109,7 @@ def _nesterov_mu_hat(mu: Tensor, g: Tensor, b1: Scalar, count: Tensor) -> Tensor
     return b1 * debias(mu, b1, count + 1) + (1 - b1) * debias(g, b1, count)
 
 
+@transform_factory
 def scale_by_optax_adam(
     b1: Scalar = 0.9,
     b2: Scalar = 0.999,
@@ -160,6 +162,7 @@ def scale_by_optax_adam(
     return GradientTransformation(init, update, lists=lists)
 
 
+@transform_factory
 def scale_by_lion(
     b1: Scalar = 0.9, b2: Scalar = 0.99, mu_dtype: torch.dtype | None = None
 ) -> GradientTransformation:
@@ -208,6 +211,7 @@ def scale_by_lion(
     return GradientTransformation(init, update, lists=lists)
 
 
+@transform_factory
 def scale_by_amsgrad(
     b1: Scalar = 0.9,
     b2: Scalar = 0.999,
@@ -260,6 +264,7 @@ def scale_by_amsgrad(
     return GradientTransformation(init, update, lists=lists)
 
 
+@transform_factory
 def scale_by_belief(
     b1: Scalar = 0.9,
     b2: Scalar = 0.999,
@@ -308,6 +313,7 @@ def scale_by_belief(
     return GradientTransformation(init, update, lists=lists)
 
 
+@transform_factory
 def scale_by_yogi(
     b1: Scalar = 0.9,
     b2: Scalar = 0.999,
@@ -356,6 +362,7 @@ def scale_by_yogi(
     return GradientTransformation(init, update, lists=lists)
 
 
+@transform_factory
 def scale_by_adan(
     b1: Scalar = 0.98,
     b2: Scalar = 0.92,

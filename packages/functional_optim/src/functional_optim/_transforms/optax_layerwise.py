@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms import _ops
 from functional_optim._transforms._leaf import moment, store
 from functional_optim._transforms._leafwise import leafwise_lists
@@ -36,6 +37,7 @@ class ScaleBySM3State(NamedTuple):
     nu: PyTree
 
 
+@transform_factory
 def scale_by_novograd(
     b1: Scalar = 0.9,
     b2: Scalar = 0.25,
@@ -100,6 +102,7 @@ def _sm3_view(x: Tensor) -> Tensor:
     return x.reshape(1) if x.ndim == 0 else x
 
 
+@transform_factory
 def scale_by_sm3(b1: Scalar = 0.9, b2: Scalar = 1.0, eps: Scalar = 1e-8) -> GradientTransformation:
     """SM3: one accumulator per dimension, their minimum as the second moment, then momentum.
 

@@ -1,12 +1,14 @@
-"""optax's small transforms: clipping, sign, trust ratio, noise, EMA, NaN zeroing, constraints.
+"""optax's small transforms: sign, trust ratio, noise, EMA, NaN zeroing, constraints.
 
-``clip``, ``clip_by_block_rms``, ``centralize``, ``scale_by_sign``, ``scale_by_trust_ratio``,
-``set_to_zero``, ``zero_nans``, ``keep_params_nonnegative``, ``ema`` and ``add_noise``, with
-optax's names, defaults and formulas. A ``None`` update stays ``None``.
+``centralize``, ``scale_by_sign``, ``scale_by_trust_ratio``, ``set_to_zero``, ``zero_nans``,
+``keep_params_nonnegative``, ``ema`` and ``add_noise``, with optax's names, defaults and
+formulas. A ``None`` update stays ``None``. The clipping transforms live in
+:mod:`functional_optim._transforms.clip`.
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -15,22 +17,24 @@ from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState, UpdateFn, init_empty
 from functional_optim._lists import LeafView, ListTransform, foreach_scaled
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms import _ops
 from functional_optim._transforms._leaf import debias as debias_moment
 from functional_optim._transforms._leaf import moment, safe_norm, store
 from functional_optim._transforms._leafwise import leafwise_lists
+from functional_optim._transforms._stateless import stateless
 from functional_optim._tree import PyTree, tree_flatten, tree_zeros_like
 
 __all__ = [
     "AddNoiseState",
     "EmaState",
+    "NoiseKey",
     "ZeroNansState",
     "add_noise",
     "centralize",
-    "clip",
-    "clip_by_block_rms",
     "ema",
     "keep_params_nonnegative",
+    "noise_seed",
     "scale_by_sign",
     "scale_by_trust_ratio",
     "set_to_zero",
@@ -60,33 +64,6 @@ class AddNoiseState(NamedTuple):
     rng_key: Tensor
 
 
-def _stateless(
-    fn: Callable[[Tensor], Tensor],
-    key: str,
-    hyper: dict[str, Any] | None = None,
-    list_fn: Callable[[list[Tensor]], list[Tensor]] | None = None,
-) -> GradientTransformation:
-    """A transform that maps every update leaf through ``fn``; its list maths run ``list_fn``
-    (``_foreach`` ops giving the same numbers) or else ``fn`` per tensor (new tensors, the
-    inputs only read)."""
-
-    def update(
-        updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
-    ) -> tuple[PyTree, OptState]:
-        del params, inplace
-        leaves, spec = tree_flatten(updates)
-        return spec.unflatten([None if u is None else fn(u) for u in leaves]), state
-
-    def apply(updates: list[Tensor], state: OptState, view: LeafView) -> tuple[list[Tensor], Any]:
-        del view
-        if list_fn is not None and updates:
-            return list_fn(updates), state
-        return [fn(u) for u in updates], state
-
-    lists = ListTransform(key, hyper or {}, apply, writes_updates=False)
-    return GradientTransformation(init_empty, update, lists=lists)
-
-
 def _with_params_lists(fn: Callable[[Tensor, Tensor], Tensor], key: str) -> ListTransform:
     """List maths of a stateless transform that reads the params: ``fn(u, p)`` per tensor."""
 
@@ -109,55 +86,7 @@ def _with_params(fn: Callable[[Tensor, Tensor], Tensor], name: str) -> UpdateFn:
     return update
 
 
-def clip(max_delta: Scalar) -> GradientTransformation:
-    """Clip every update element to ``[-max_delta, max_delta]``.
-
-    Args:
-        max_delta: the largest allowed magnitude (>= 0).
-
-    Returns:
-        A stateless ``GradientTransformation``.
-
-    Raises:
-        ValueError: if ``max_delta`` is negative.
-    """
-    if not isinstance(max_delta, Tensor) and max_delta < 0:
-        raise ValueError(f"Invalid max_delta: {max_delta}; it must be >= 0")
-
-    def fn(u: Tensor) -> Tensor:
-        return torch.clamp(u, -max_delta, max_delta)  # type: ignore[arg-type]
-
-    def list_fn(updates: list[Tensor]) -> list[Tensor]:
-        out = list(torch._foreach_clamp_min(updates, -max_delta))  # type: ignore[arg-type]
-        torch._foreach_clamp_max_(out, max_delta)  # type: ignore[arg-type]
-        return out
-
-    tensor_bound = isinstance(max_delta, Tensor)
-    return _stateless(fn, "clip", {"max_delta": max_delta}, None if tensor_bound else list_fn)
-
-
-def clip_by_block_rms(threshold: Scalar) -> GradientTransformation:
-    """Divide each update by ``max(1, rms(update) / threshold)`` (per param block).
-
-    Args:
-        threshold: the largest allowed root mean square of a block (> 0).
-
-    Returns:
-        A stateless ``GradientTransformation``.
-
-    Raises:
-        ValueError: if ``threshold`` is not positive.
-    """
-    if not isinstance(threshold, Tensor) and threshold <= 0:
-        raise ValueError(f"Invalid threshold: {threshold}; it must be > 0")
-
-    def fn(u: Tensor) -> Tensor:
-        rms = torch.sqrt(torch.mean(u * u))
-        return u / torch.clamp(rms / threshold, min=1.0)
-
-    return _stateless(fn, "clip_by_block_rms", {"threshold": threshold})
-
-
+@transform_factory
 def centralize() -> GradientTransformation:
     """Subtract from each update of 2 or more dimensions its mean over all dimensions but the first
     (gradient centralization).
@@ -171,27 +100,30 @@ def centralize() -> GradientTransformation:
             return u
         return u - u.mean(dim=tuple(range(1, u.ndim)), keepdim=True)
 
-    return _stateless(fn, "centralize")
+    return stateless(fn, "centralize")
 
 
+@transform_factory
 def scale_by_sign() -> GradientTransformation:
     """Replace each update element by its sign (-1, 0 or 1).
 
     Returns:
         A stateless ``GradientTransformation``.
     """
-    return _stateless(torch.sign, "scale_by_sign", list_fn=lambda u: list(torch._foreach_sign(u)))
+    return stateless(torch.sign, "scale_by_sign", list_fn=lambda u: list(torch._foreach_sign(u)))
 
 
+@transform_factory
 def set_to_zero() -> GradientTransformation:
     """Replace every update by zeros (with :func:`masked`: freeze the masked params).
 
     Returns:
         A stateless ``GradientTransformation``.
     """
-    return _stateless(torch.zeros_like, "set_to_zero")
+    return stateless(torch.zeros_like, "set_to_zero")
 
 
+@transform_factory
 def scale_by_trust_ratio(
     min_norm: Scalar = 0.0, trust_coefficient: Scalar = 1.0, eps: Scalar = 0.0
 ) -> GradientTransformation:
@@ -221,6 +153,7 @@ def scale_by_trust_ratio(
     )
 
 
+@transform_factory
 def keep_params_nonnegative() -> GradientTransformation:
     """Change updates so that ``params + updates >= 0``: where it would go negative, the update
     becomes ``-params`` (the param lands on 0).
@@ -238,6 +171,7 @@ def keep_params_nonnegative() -> GradientTransformation:
     )
 
 
+@transform_factory
 def zero_nans() -> GradientTransformation:
     """Replace NaN update elements by 0 and record, per param, whether any was found.
 
@@ -276,6 +210,7 @@ def zero_nans() -> GradientTransformation:
     return GradientTransformation(init, update, lists=lists)
 
 
+@transform_factory
 def ema(decay: Scalar, debias: bool = True) -> GradientTransformation:
     """Exponential moving average of the updates: ``ema = (1 - decay) * u + decay * ema``.
 
@@ -310,7 +245,77 @@ def ema(decay: Scalar, debias: bool = True) -> GradientTransformation:
     return GradientTransformation(init, update, lists=lists)
 
 
-def add_noise(eta: Scalar, gamma: Scalar, seed: int) -> GradientTransformation:
+#: What :func:`add_noise` takes as its ``key``: an int seed, a one-element integer tensor, or a
+#: ``torch.Generator`` to draw the seed from.
+NoiseKey = int | Tensor | torch.Generator
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # a seeded Generator: eager
+def _gaussian_draws(rng_key: Tensor, like: list[Tensor]) -> tuple[list[Tensor], Tensor]:
+    """Standard normal noise shaped like each tensor of ``like`` (in order, on a CPU generator
+    seeded with ``rng_key``) and the next key drawn after them."""
+    gen = torch.Generator().manual_seed(int(rng_key))
+    noise = [torch.randn(u.shape, generator=gen, dtype=u.dtype).to(u.device) for u in like]
+    return noise, torch.randint(0, 2**62, (), generator=gen, dtype=torch.int64)
+
+
+def noise_seed(
+    key: NoiseKey | None, seed: NoiseKey | None = None, *, name: str = "add_noise"
+) -> int:
+    """The seed of the first draw of :func:`add_noise` from optax's ``key`` and ``seed``.
+
+    ``seed`` is the older name of ``key`` (kept, without a warning); a ``torch.Generator`` gives
+    one seed drawn from it (advancing it: one generator seeds several transforms differently,
+    and reproducibly when it was seeded); neither gives 0 (optax's default key).
+
+    Args:
+        key: the key (optax's name).
+        seed: the same, by its older name.
+        name: the function named in the errors.
+
+    Returns:
+        The seed, an int in ``[0, 2**62)`` for a generator.
+
+    Raises:
+        TypeError: if both are given, or the key is not an integer, a one-element integer
+            tensor or a ``torch.Generator``.
+    """
+    if key is not None and seed is not None:
+        raise TypeError(
+            f"{name} takes key= or seed= (its older name), not both: got key={key!r} and "
+            f"seed={seed!r}"
+        )
+    value = key if key is not None else seed
+    if value is None:
+        return 0
+    if isinstance(value, torch.Generator):
+        drawn = torch.randint(0, 2**62, (), generator=value, device=value.device)
+        return int(drawn)
+    if isinstance(value, Tensor):
+        if (
+            value.numel() != 1
+            or value.is_floating_point()
+            or value.is_complex()
+            or (value.dtype == torch.bool)
+        ):
+            raise TypeError(
+                f"{name}'s key must be an int, a torch.Generator or a one-element integer "
+                f"tensor, got a {value.dtype} tensor of shape {tuple(value.shape)}"
+            )
+        return int(value.item())
+    given: object = value  # checked at run time whatever the annotation says
+    if isinstance(given, bool) or not isinstance(given, numbers.Integral):
+        raise TypeError(
+            f"{name}'s key must be an int, a torch.Generator or a one-element integer tensor, "
+            f"got {type(given).__name__}"
+        )
+    return int(given)
+
+
+@transform_factory
+def add_noise(
+    eta: Scalar, gamma: Scalar, key: NoiseKey | None = None, *, seed: NoiseKey | None = None
+) -> GradientTransformation:
     """Add Gaussian noise of variance ``eta / t**gamma`` (``t`` = 1, 2, ...) to every update.
 
     The noise comes from a ``torch.Generator`` seeded from the state's ``rng_key`` (one draw per
@@ -321,16 +326,22 @@ def add_noise(eta: Scalar, gamma: Scalar, seed: int) -> GradientTransformation:
     Args:
         eta: base variance.
         gamma: decay exponent of the variance.
-        seed: seed of the first draw.
+        key: seed of the first draw (optax's ``key``): an int, a one-element integer tensor or a
+            ``torch.Generator`` to draw it from (see :func:`noise_seed`); None: 0.
+        seed: the older name of ``key`` (keyword-only, as in optax; give one of the two).
 
     Returns:
         A ``GradientTransformation`` with state :class:`AddNoiseState`.
+
+    Raises:
+        TypeError: if both ``key`` and ``seed`` are given, or the key has another type.
     """
+    first = noise_seed(key, seed)
 
     def init(params: PyTree) -> AddNoiseState:
         del params
         count = torch.zeros((), dtype=torch.int64)
-        return AddNoiseState(count, torch.tensor(int(seed), dtype=torch.int64))
+        return AddNoiseState(count, torch.tensor(first, dtype=torch.int64))
 
     def update(
         updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
@@ -338,32 +349,27 @@ def add_noise(eta: Scalar, gamma: Scalar, seed: int) -> GradientTransformation:
         del params
         count = _ops.increment(state.count, inplace)
         std = torch.sqrt(eta / count.to(torch.float64) ** gamma)
-        gen = torch.Generator().manual_seed(int(state.rng_key))
         leaves, spec = tree_flatten(updates)
-        out: list[Tensor | None] = []
-        for u in leaves:
-            if u is None:
-                out.append(None)
-                continue
-            noise = torch.randn(u.shape, generator=gen, dtype=u.dtype).to(u.device)
-            out.append(u + _ops.like(std, u) * noise)
-        next_key = torch.randint(0, 2**62, (), generator=gen, dtype=torch.int64)
-        key = state.rng_key.copy_(next_key) if inplace else next_key
-        return spec.unflatten(out), AddNoiseState(count, key)
+        present = [u for u in leaves if u is not None]
+        noises, next_key = _gaussian_draws(state.rng_key, present)
+        drawn = iter(noises)
+        out: list[Tensor | None] = [
+            None if u is None else u + _ops.like(std, u) * next(drawn) for u in leaves
+        ]
+        rng_key = state.rng_key.copy_(next_key) if inplace else next_key
+        return spec.unflatten(out), AddNoiseState(count, rng_key)
 
     def draw(updates: list[Tensor], state: OptState, inplace: bool) -> tuple[list[Tensor], Any]:
         """``update``'s maths over a list: the same draws in the same order, then
         ``u + std * noise`` in one ``_foreach`` call per dtype (new tensors)."""
         count = _ops.increment(state.count, inplace)
         std = torch.sqrt(eta / count.to(torch.float64) ** gamma)
-        gen = torch.Generator().manual_seed(int(state.rng_key))
-        noise = [torch.randn(u.shape, generator=gen, dtype=u.dtype).to(u.device) for u in updates]
+        noise, next_key = _gaussian_draws(state.rng_key, updates)
         out = foreach_scaled(noise, std)
         if out:
             torch._foreach_add_(out, updates)
-        next_key = torch.randint(0, 2**62, (), generator=gen, dtype=torch.int64)
-        key = state.rng_key.copy_(next_key) if inplace else next_key
-        return out, AddNoiseState(count, key)
+        rng_key = state.rng_key.copy_(next_key) if inplace else next_key
+        return out, AddNoiseState(count, rng_key)
 
     def apply(updates: list[Tensor], state: OptState, view: LeafView) -> tuple[list[Tensor], Any]:
         del view
@@ -375,6 +381,6 @@ def add_noise(eta: Scalar, gamma: Scalar, seed: int) -> GradientTransformation:
         del view
         return draw(updates, state, inplace=False)
 
-    hyper = {"eta": eta, "gamma": gamma, "seed": seed}
+    hyper = {"eta": eta, "gamma": gamma, "seed": first}
     lists = ListTransform("add_noise", hyper, apply, False, apply_pure)
     return GradientTransformation(init, update, lists=lists)

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState
 from functional_optim._lists import LeafView, ListTransform
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms import _ops
 from functional_optim._tree import PyTree, tree_full_like, tree_zeros_like
 
@@ -46,6 +47,7 @@ class ScaleByAdadeltaState(NamedTuple):
     acc_delta: PyTree
 
 
+@transform_factory
 def scale_by_rms(
     alpha: float = 0.99, eps: float = 1e-8, centered: bool = False
 ) -> GradientTransformation:
@@ -110,6 +112,7 @@ def scale_by_rms(
     return GradientTransformation(init, update, lists=lists)
 
 
+@transform_factory
 def scale_by_adagrad(
     lr_decay: float = 0.0, eps: float = 1e-10, initial_accumulator_value: float = 0.0
 ) -> GradientTransformation:
@@ -181,6 +184,7 @@ def _decay_factors(counts: list[Tensor], like: list[Tensor], lr_decay: float) ->
     return out
 
 
+@transform_factory
 def scale_by_adadelta(rho: float = 0.9, eps: float = 1e-6) -> GradientTransformation:
     """Rescale updates by Adadelta's ratio of running RMS of deltas and of updates.
 

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState
 from functional_optim._lists import LeafView, ListTransform
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms import _ops
 from functional_optim._tree import PyTree, tree_full_like, tree_zeros_like
 
@@ -23,6 +24,7 @@ class ScaleByRpropState(NamedTuple):
     step_size: PyTree
 
 
+@transform_factory
 def scale_by_rprop(
     init_step_size: float,
     etas: tuple[float, float] = (0.5, 1.2),

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState, init_empty
 from functional_optim._lists import LeafView, ListTransform, foreach_scale
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms import _ops
 from functional_optim._tree import PyTree, tree_flatten
 
@@ -37,6 +38,7 @@ def _scale_leaves(updates: PyTree, factor: float | Tensor, inplace: bool) -> PyT
     return spec.unflatten(out)
 
 
+@transform_factory
 def scale(step_size: float | Tensor) -> GradientTransformation:
     """Multiply updates by a constant.
 
@@ -62,6 +64,7 @@ def scale(step_size: float | Tensor) -> GradientTransformation:
     return GradientTransformation(init_empty, update, lists=lists)
 
 
+@transform_factory
 def scale_by_schedule(schedule: Schedule) -> GradientTransformation:
     """Multiply updates by ``schedule(count)``, ``count`` being the number of earlier updates.
 
@@ -101,6 +104,7 @@ def _negate(schedule: Schedule) -> Schedule:
     return negated
 
 
+@transform_factory
 def scale_by_learning_rate(
     learning_rate: float | Tensor | Schedule, *, flip_sign: bool = True
 ) -> GradientTransformation:

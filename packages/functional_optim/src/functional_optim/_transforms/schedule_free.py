@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms import _ops
 from functional_optim._transforms._leaf import debias, moment, store
 from functional_optim._transforms._leafwise import leafwise_lists
@@ -47,6 +48,7 @@ class ScaleByRmsWithCountState(NamedTuple):
     nu: PyTree
 
 
+@transform_factory
 def scale_by_rms_debiased(
     decay: float | Tensor = 0.999, eps: float | Tensor = 1e-8
 ) -> GradientTransformation:
@@ -148,6 +150,7 @@ def _float_dtype(params: PyTree) -> torch.dtype:
     return min(dtypes, key=lambda d: torch.finfo(d).bits)
 
 
+@transform_factory
 def schedule_free(
     base_optimizer: GradientTransformation,
     learning_rate: float | Tensor | Schedule,

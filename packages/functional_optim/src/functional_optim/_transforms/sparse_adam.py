@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms import _ops
 from functional_optim._tree import PyTree, tree_leaves, tree_zeros_like
 
@@ -49,6 +50,7 @@ def _coo(indices: Tensor, values: Tensor, like: Tensor) -> Tensor:
     return torch.sparse_coo_tensor(indices, values, like.size(), check_invariants=False)
 
 
+@transform_factory
 def scale_by_sparse_adam(
     b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
 ) -> GradientTransformation:

@@ -9,12 +9,14 @@ from torch import Tensor
 
 from functional_optim._base import NO_OP, GradientTransformation, OptState, init_empty
 from functional_optim._lists import LeafView, ListTransform
+from functional_optim._recipes import transform_factory
 from functional_optim._transforms import _ops
 from functional_optim._tree import PyTree
 
 __all__ = ["add_decayed_weights"]
 
 
+@transform_factory
 def add_decayed_weights(weight_decay: float | Tensor = 0.0) -> GradientTransformation:
     """Add ``weight_decay * param`` to each update (``grad.add(param, alpha=weight_decay)``).
 

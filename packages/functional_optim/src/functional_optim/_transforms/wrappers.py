@@ -24,6 +24,7 @@ from functional_optim._lists import (
     by_device_dtype,
     pure_apply_all,
 )
+from functional_optim._recipes import record, transform_factory
 from functional_optim._transforms._leaf import is_traced
 from functional_optim._tree import PyTree, tree_clone, tree_flatten, tree_zeros_like
 
@@ -105,6 +106,7 @@ def _where_tree(pred: Tensor, a: PyTree, b: PyTree) -> PyTree:
     return spec.unflatten(out)
 
 
+@transform_factory
 def apply_if_finite(
     inner: GradientTransformation, max_consecutive_errors: int
 ) -> GradientTransformation:
@@ -256,9 +258,17 @@ class MultiSteps:
         use_grad_mean: average the gradients (else sum them).
         should_skip_update_fn: ``fn(updates, gradient_step, params) -> (skip, skip_state)``;
             a skipped call leaves the accumulation untouched (e.g. :func:`skip_not_finite`).
+        accumulator_dtype: dtype of the accumulated gradients (``acc_grads``), e.g.
+            ``torch.float64`` to accumulate ``float32`` or ``bfloat16`` gradients without
+            their rounding; the inner optimizer gets them back in the updates' dtype (in the
+            params' for :meth:`step`), as optax casts them. None (the default) keeps each
+            param's dtype (complex params get the complex dtype of a real
+            ``accumulator_dtype``'s precision). optax's own default is ``float32``; None here
+            keeps float64 gradients in float64.
 
     Raises:
-        TypeError: if ``opt`` is not a ``GradientTransformation``.
+        TypeError: if ``opt`` is not a ``GradientTransformation`` or ``accumulator_dtype`` is
+            not a floating or complex ``torch.dtype``.
         ValueError: if an integer ``every_k_schedule`` is below 1.
 
     Example::
@@ -272,15 +282,25 @@ class MultiSteps:
         every_k_schedule: int | Callable[[Tensor], int | Tensor],
         use_grad_mean: bool = True,
         should_skip_update_fn: Callable[..., tuple[Tensor, Any]] | None = None,
+        accumulator_dtype: torch.dtype | None = None,
     ) -> None:
         if not isinstance(opt, GradientTransformation):
             raise TypeError(f"MultiSteps needs a GradientTransformation, got {type(opt).__name__}")
+        if accumulator_dtype is not None and not (
+            isinstance(accumulator_dtype, torch.dtype)
+            and (accumulator_dtype.is_floating_point or accumulator_dtype.is_complex)
+        ):
+            raise TypeError(
+                "accumulator_dtype must be None or a floating or complex torch.dtype, got "
+                f"{accumulator_dtype!r}"
+            )
         if not callable(every_k_schedule) and int(every_k_schedule) < 1:
             raise ValueError(f"every_k_schedule must be >= 1, got {every_k_schedule}")
         self._opt = opt
         self._every_k = every_k_schedule
         self._use_grad_mean = use_grad_mean
         self._should_skip = should_skip_update_fn
+        self._acc_dtype = accumulator_dtype
 
     @property
     def inner_opt(self) -> GradientTransformation:
@@ -299,8 +319,45 @@ class MultiSteps:
         if self._should_skip is not None:
             _, skip_state = self._should_skip(tree_zeros_like(params), zero, params)
         return MultiStepsState(
-            zero, zero.clone(), self._opt.init(params), tree_zeros_like(params), skip_state
+            zero, zero.clone(), self._opt.init(params), self._zero_accumulators(params), skip_state
         )
+
+    def _zero_accumulators(self, params: PyTree) -> PyTree:
+        """Zeros like ``params``, of ``accumulator_dtype`` when one was given."""
+        if self._acc_dtype is None:
+            return tree_zeros_like(params)
+        leaves, spec = tree_flatten(params)
+        return spec.unflatten(
+            [None if p is None else torch.zeros_like(p, dtype=self._dtype_for(p)) for p in leaves]
+        )
+
+    def _dtype_for(self, param: Tensor) -> torch.dtype:
+        """The accumulator dtype of ``param``'s gradients."""
+        dtype = self._acc_dtype
+        assert dtype is not None
+        if param.is_complex() and not dtype.is_complex:
+            return torch.promote_types(dtype, torch.complex64)
+        return dtype
+
+    def _for_inner(self, acc: PyTree, like: PyTree, fallback: PyTree = None) -> PyTree:
+        """The accumulated gradients as the inner optimizer takes them: each cast to the dtype
+        of its leaf in ``like`` (or, where that is None, in ``fallback``), as optax's
+        ``cast_like``. Without ``accumulator_dtype``, ``acc`` itself."""
+        if self._acc_dtype is None:
+            return acc
+        leaves, spec = tree_flatten(acc)
+        refs: list[Any] = spec.flatten_up_to(like)
+        backs: list[Any] = (
+            [None] * len(leaves) if fallback is None else spec.flatten_up_to(fallback)
+        )
+        out: list[Any] = []
+        for a, ref, back in zip(leaves, refs, backs, strict=True):
+            ref = back if ref is None else ref
+            if a is None or ref is None or a.dtype == ref.dtype:
+                out.append(a)
+            else:
+                out.append(a.to(ref.dtype))
+        return spec.unflatten(out)
 
     def update(
         self, updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
@@ -322,11 +379,15 @@ class MultiSteps:
         for g, acc in zip(leaves, accs, strict=True):
             if g is None:
                 new_accs.append(acc)
-            elif self._use_grad_mean:
+                continue
+            if self._use_grad_mean:
                 delta = (g - acc) / (mini + 1)
-                new_accs.append(acc.add_(delta) if inplace else acc + delta)
+                new = acc.add_(delta) if inplace else acc + delta
             else:
-                new_accs.append(acc.add_(g) if inplace else acc + g)
+                new = acc.add_(g) if inplace else acc + g
+            if self._acc_dtype is not None and new.dtype != acc.dtype:
+                new = new.to(acc.dtype)  # the accumulator keeps its dtype
+            new_accs.append(new)
         acc_tree = spec.unflatten(new_accs)
         if mini < self._k(state.gradient_step) - 1:
             mini_step = state.mini_step.add_(1) if inplace else state.mini_step + 1
@@ -335,7 +396,10 @@ class MultiSteps:
             )
             return _zeros(updates), new_state
         out, inner_state = self._opt.update(
-            acc_tree, state.inner_opt_state, params, inplace=inplace
+            self._for_inner(acc_tree, updates, params),
+            state.inner_opt_state,
+            params,
+            inplace=inplace,
         )
         step = state.gradient_step.add_(1) if inplace else state.gradient_step + 1
         mini_step = state.mini_step.zero_() if inplace else torch.zeros_like(state.mini_step)
@@ -376,11 +440,12 @@ class MultiSteps:
             state.mini_step.add_(1)
             return state._replace(skip_state=skip_state)
         inner = self._opt
+        acc_grads = self._for_inner(state.acc_grads, params)
         if inner.step is not None:
-            inner_state = inner.step(params, state.acc_grads, state.inner_opt_state)
+            inner_state = inner.step(params, acc_grads, state.inner_opt_state)
         else:
             updates, inner_state = inner.update(
-                state.acc_grads, state.inner_opt_state, params, inplace=True
+                acc_grads, state.inner_opt_state, params, inplace=True
             )
             apply_updates(params, updates, inplace=True)
         everything = [a for a in view.spec_leaves(state.acc_grads) if a is not None]
@@ -399,7 +464,9 @@ class MultiSteps:
     def gradient_transformation(self) -> GradientTransformation:
         """This wrapper as a ``GradientTransformation`` (to chain it or give it to fo.Optimizer),
         with :meth:`step` as its in-place step."""
-        return GradientTransformation(self.init, self.update, self.step)
+        tx = GradientTransformation(self.init, self.update, self.step)
+        record(tx, MultiSteps.gradient_transformation, (self,), {})  # pickled with this wrapper
+        return tx
 
 
 def _like(grads: list[Tensor], accs: list[Tensor]) -> list[Tensor]:
@@ -428,6 +495,7 @@ class LookaheadState(NamedTuple):
     steps_since_sync: Tensor
 
 
+@transform_factory
 def lookahead(
     fast_optimizer: GradientTransformation,
     sync_period: int,

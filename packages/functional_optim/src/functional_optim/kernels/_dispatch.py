@@ -7,6 +7,7 @@ foreach beats the loop.
 
 from typing import List
 
+import torch
 from torch import Tensor
 
 IMPLS = ("auto", "single", "foreach", "fused")
@@ -89,6 +90,11 @@ def resolve_impl(
         return impl
     if len(params) == 0:
         return "single"
+    if not torch.jit.is_scripting() and torch.compiler.is_compiling():  # type: ignore[attr-defined]
+        # torch's fused CPU kernels have no fake (meta) implementation that AOT autograd can
+        # trace; like torch.optim under torch.compile, compile the per-tensor maths on CPU
+        # and the multi-tensor maths elsewhere.
+        return "single" if params[0].device.type == "cpu" else "foreach"
     if has_fused and _first_unfused(params, fused_on_cuda) < 0:
         return "fused"
     if params[0].device.type == "cpu":

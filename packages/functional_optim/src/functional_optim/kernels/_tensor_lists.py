@@ -140,3 +140,12 @@ def check_lengths(
                 + "), got "
                 + str(len(lists[j]))
             )
+
+
+def scalar_value(t: Tensor) -> float:
+    """A 0-d state tensor (a step count) as the number the maths uses: ``float(t.item())``;
+    under ``torch.compile`` the tensor itself (as torch's ``_get_value``), so that reading it
+    does not break the graph. TorchScript takes the first branch only."""
+    if not torch.jit.is_scripting() and torch.compiler.is_compiling():  # type: ignore[attr-defined]
+        return t  # type: ignore[return-value]
+    return float(t.item())

@@ -14,7 +14,11 @@ import torch
 from torch import Tensor
 
 from functional_optim.kernels._dispatch import resolve_impl, take
-from functional_optim.kernels._tensor_lists import group_by_device_dtype, increment_steps
+from functional_optim.kernels._tensor_lists import (
+    group_by_device_dtype,
+    increment_steps,
+    scalar_value,
+)
 
 
 def dtype_eps(dtype: torch.dtype) -> float:
@@ -68,7 +72,7 @@ def adafactor_single(
         if floor < 0:
             floor = dtype_eps(param.dtype)
         step_t += 1
-        scales = _step_scales(float(step_t.item()), lr, beta2_decay)
+        scales = _step_scales(scalar_value(step_t), lr, beta2_decay)
         alpha = max(eps2, _rms(param)) * scales[1]
         if weight_decay != 0:
             param.mul_(1 - lr * weight_decay)
@@ -159,7 +163,7 @@ def adafactor_foreach(
             weights: List[Union[int, float, complex]] = []
             alphas: List[float] = []
             for j in range(len(g_steps)):
-                scales = _step_scales(float(g_steps[j].item()), lr, beta2_decay)
+                scales = _step_scales(scalar_value(g_steps[j]), lr, beta2_decay)
                 weights.append(scales[0])
                 alphas.append(max(eps2, _rms(g_params[j])) * scales[1])
             if weight_decay != 0:

@@ -21,6 +21,7 @@ from functional_optim.kernels._tensor_lists import (
     has_complex,
     has_sparse,
     real_views,
+    scalar_value,
 )
 
 
@@ -100,7 +101,7 @@ def adagrad_single(
         state_sum = state_sums[i]
         step_t = state_steps[i]
         step_t.add_(1)
-        step = float(step_t.item())
+        step = scalar_value(step_t)
         if maximize:
             grad = torch.neg(grad)
         if weight_decay != 0:

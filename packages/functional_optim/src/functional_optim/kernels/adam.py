@@ -16,6 +16,7 @@ from functional_optim.kernels._tensor_lists import (
     has_complex,
     increment_steps,
     real_views,
+    scalar_value,
 )
 
 
@@ -57,7 +58,7 @@ def _adam_single(
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         # torch reads the step as a Python number in the non-capturable path.
-        step = float(step_t.item())
+        step = scalar_value(step_t)
         bias_correction1 = 1 - beta1**step
         bias_correction2 = 1 - beta2**step
         step_size = lr / bias_correction1
@@ -124,7 +125,7 @@ def _adam_foreach(
         step_size: List[Union[int, float, complex]] = []
         bias_correction2_sqrt: List[Union[int, float, complex]] = []
         for s in g_steps:
-            step = float(s.item())
+            step = scalar_value(s)
             step_size.append((lr / (1 - beta1**step)) * -1)
             bias_correction2_sqrt.append((1 - beta2**step) ** 0.5)
         if amsgrad:

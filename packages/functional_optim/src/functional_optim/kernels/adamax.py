@@ -15,6 +15,7 @@ from functional_optim.kernels._tensor_lists import (
     has_complex,
     increment_steps,
     real_views,
+    scalar_value,
 )
 
 
@@ -53,7 +54,7 @@ def adamax_single(
         exp_avg.lerp_(grad, 1 - beta1)
         torch.maximum(exp_inf.mul_(beta2), grad.abs().add_(eps), out=exp_inf)
         # torch reads the step as a Python number in the non-capturable path.
-        clr = lr / (1 - beta1 ** float(step_t.item()))
+        clr = lr / (1 - beta1 ** scalar_value(step_t))
         param.addcdiv_(exp_avg, exp_inf, value=-clr)
 
 
@@ -107,7 +108,7 @@ def adamax_foreach(
         # Union[int, float, complex] is TorchScript's "number": the ScalarList overloads need it.
         step_size: List[Union[int, float, complex]] = []
         for s in g_steps:
-            step_size.append((lr / (1 - beta1 ** float(s.item()))) * -1)
+            step_size.append((lr / (1 - beta1 ** scalar_value(s))) * -1)
         torch._foreach_addcdiv_(g_params, g_exp_avgs, g_exp_infs, step_size)
 
 

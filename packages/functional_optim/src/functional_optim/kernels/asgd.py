@@ -17,6 +17,7 @@ from functional_optim.kernels._tensor_lists import (
     has_complex,
     increment_steps,
     real_views,
+    scalar_value,
 )
 
 
@@ -53,14 +54,21 @@ def asgd_single(
         step_t += 1
         if weight_decay != 0:
             grad = grad.add(param, alpha=weight_decay)
-        eta_value = float(eta.item())
+        eta_value = scalar_value(eta)
         param.mul_(1 - lambd * eta_value)
         param.add_(grad, alpha=-eta_value)
-        if float(mu.item()) != 1:
+        if not torch.jit.is_scripting() and torch.compiler.is_compiling():  # type: ignore[attr-defined]
+            # no data-dependent branch under torch.compile: the averaging step in tensor maths
+            # (mu = 1 gives ax + (param - ax), equal to param up to one rounding)
+            ax.add_(param.sub(ax).mul_(mu))
+            eta.copy_(lr / ((1 + lambd * lr * step_t) ** alpha))
+            mu.copy_(1 / torch.clamp(step_t - t0, min=1.0))
+            continue
+        if scalar_value(mu) != 1:
             ax.add_(param.sub(ax).mul_(mu))
         else:
             ax.copy_(param)
-        step = float(step_t.item())
+        step = scalar_value(step_t)
         eta.fill_(lr / ((1 + lambd * lr * step) ** alpha))
         mu.fill_(1 / max(1.0, step - t0))
 
@@ -119,7 +127,7 @@ def asgd_foreach(
         for s in g_steps:
             # torch's ``lr / t`` on a tensor is ``t.reciprocal() * lr``.
             new_etas.append(((1 + lambd * lr * s) ** alpha).reciprocal().mul(lr).to(device))
-            value = 1 / max(1.0, float(s.item()) - t0)
+            value = 1 / max(1.0, scalar_value(s) - t0)
             new_mus.append(torch.full((), value, dtype=s.dtype).to(device))
         torch._foreach_copy_(g_etas, new_etas)
         torch._foreach_copy_(g_mus, new_mus)

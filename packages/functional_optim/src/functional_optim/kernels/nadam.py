@@ -16,6 +16,7 @@ from functional_optim.kernels._tensor_lists import (
     has_complex,
     increment_steps,
     real_views,
+    scalar_value,
 )
 
 
@@ -58,7 +59,7 @@ def nadam_single(
             exp_avg = torch.view_as_real(exp_avg)
             exp_avg_sq = torch.view_as_real(exp_avg_sq)
         step_t += 1
-        step = float(step_t.item())
+        step = scalar_value(step_t)
         bias_correction2 = 1 - beta2**step
         if weight_decay != 0:
             if decoupled_weight_decay:
@@ -71,7 +72,7 @@ def nadam_single(
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         denom = exp_avg_sq.div(bias_correction2).sqrt()
-        product = float(mu_product.item())
+        product = scalar_value(mu_product)
         mu_product_next = product * mu_next
         denom.add_(eps)
         param.addcdiv_(grad, denom, value=(-lr * (1.0 - mu) / (1.0 - product)))
@@ -131,7 +132,7 @@ def nadam_foreach(
         mu_values: List[float] = []
         mu_nexts: List[float] = []
         for s in g_steps:
-            step = float(s.item())
+            step = scalar_value(s)
             bias_correction_sqrt.append((1 - beta2**step) ** 0.5)
             mu = _mu(beta1, momentum_decay, step)
             mus.append(mu)
@@ -143,7 +144,7 @@ def nadam_foreach(
         step_size_grads: List[Union[int, float, complex]] = []
         step_size_exp_avgs: List[Union[int, float, complex]] = []
         for j in range(len(g_mu_products)):
-            product = float(g_mu_products[j].item())
+            product = scalar_value(g_mu_products[j])
             step_size_grads.append((lr * (1.0 - mu_values[j]) / (1.0 - product)) * -1)
             step_size_exp_avgs.append((lr * mu_nexts[j] / (1.0 - product * mu_nexts[j])) * -1)
         torch._foreach_addcdiv_(g_params, g_grads, denom, step_size_grads)

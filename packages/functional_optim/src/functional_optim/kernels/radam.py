@@ -15,6 +15,7 @@ from functional_optim.kernels._tensor_lists import (
     has_complex,
     increment_steps,
     real_views,
+    scalar_value,
 )
 
 
@@ -63,7 +64,7 @@ def radam_single(
             exp_avg = torch.view_as_real(exp_avg)
             exp_avg_sq = torch.view_as_real(exp_avg_sq)
         step_t += 1
-        step = float(step_t.item())
+        step = scalar_value(step_t)
         if weight_decay != 0:
             if decoupled_weight_decay:
                 param.mul_(1 - lr * weight_decay)
@@ -130,7 +131,7 @@ def radam_foreach(
         unrect_step_size: List[Union[int, float, complex]] = []
         rect_step_size: List[Union[int, float, complex]] = []
         for s in g_steps:
-            step = float(s.item())
+            step = scalar_value(s)
             rho_t = rho(beta2, step)
             rect = rectification(beta2, rho_t) if rho_t > 5 else 0.0
             unrectified = 0.0 if rect > 0 else 1.0
