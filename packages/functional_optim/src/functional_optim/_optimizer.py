@@ -221,7 +221,7 @@ class Optimizer(torch.optim.Optimizer):
             params: list[Tensor] = group["params"]
             state = self._synced(i, group)
             if not self._all_have_state:
-                self._with_state.update(p for p in params if p.grad is not None)
+                self._note_gradients(params)
             if fused is not None:
                 state = fused(params, [p.grad for p in params], state)
             else:
@@ -231,6 +231,13 @@ class Optimizer(torch.optim.Optimizer):
             self._tx_states[i] = state
         self._state_stale = True
         return loss
+
+    def _note_gradients(self, params: list[Tensor]) -> None:
+        """Remember the params that had a gradient (they have state now, as in torch); stop
+        looking once every param has."""
+        self._with_state.update(p for p in params if p.grad is not None)
+        total = sum(len(group["params"]) for group in self.param_groups)
+        self._all_have_state = len(self._with_state) >= total
 
     def _closure_step(self, closure: Callable[[], float] | None) -> float | None:
         """One step of a transform that evaluates the closure itself (torch's LBFGS contract:
