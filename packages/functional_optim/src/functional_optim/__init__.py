@@ -95,10 +95,13 @@ from functional_optim._transforms.adam_variants import (
     scale_by_nadam,
     scale_by_radam,
 )
+from functional_optim._transforms.apply_if_finite import ApplyIfFiniteState, apply_if_finite
 from functional_optim._transforms.asgd import ScaleByAsgdState, scale_by_asgd
 from functional_optim._transforms.clip import clip, clip_by_block_rms, clip_by_global_norm
 from functional_optim._transforms.hyperparams import InjectHyperparamsState, inject_hyperparams
 from functional_optim._transforms.lbfgs import LbfgsState
+from functional_optim._transforms.lion import ScaleByLionState, scale_by_lion
+from functional_optim._transforms.lookahead import LookaheadParams, LookaheadState, lookahead
 from functional_optim._transforms.masking import (
     MaskedState,
     MultiTransformState,
@@ -107,18 +110,19 @@ from functional_optim._transforms.masking import (
     multi_transform,
 )
 from functional_optim._transforms.momentum import TraceState, trace
+from functional_optim._transforms.multi_steps import MultiSteps, MultiStepsState, skip_not_finite
 from functional_optim._transforms.muon import ScaleByMuonState, scale_by_muon
+from functional_optim._transforms.optax_adam import (
+    ScaleByAmsgradState,
+    scale_by_amsgrad,
+    scale_by_optax_adam,
+)
 from functional_optim._transforms.optax_adaptive import (
     ScaleByAdanState,
-    ScaleByAmsgradState,
     ScaleByBeliefState,
-    ScaleByLionState,
     ScaleByYogiState,
     scale_by_adan,
-    scale_by_amsgrad,
     scale_by_belief,
-    scale_by_lion,
-    scale_by_optax_adam,
     scale_by_yogi,
 )
 from functional_optim._transforms.optax_layerwise import (
@@ -165,16 +169,6 @@ from functional_optim._transforms.schedule_free import (
 )
 from functional_optim._transforms.sparse_adam import ScaleBySparseAdamState, scale_by_sparse_adam
 from functional_optim._transforms.weight_decay import add_decayed_weights
-from functional_optim._transforms.wrappers import (
-    ApplyIfFiniteState,
-    LookaheadParams,
-    LookaheadState,
-    MultiSteps,
-    MultiStepsState,
-    apply_if_finite,
-    lookahead,
-    skip_not_finite,
-)
 from functional_optim._tree import (
     tree_add,
     tree_global_norm,

@@ -13,7 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from functional_optim._aliases._kernel_step import InputCheck, KernelArg, KernelSpec, with_kernel
+from functional_optim._aliases._kernel_spec import InputCheck, KernelArg, KernelSpec
+from functional_optim._aliases._kernel_step import with_kernel
 from functional_optim._base import GradientTransformation
 from functional_optim._step_checks import GradRules, SparsePolicy
 from functional_optim._transforms.hyperparams import inject_hyperparams

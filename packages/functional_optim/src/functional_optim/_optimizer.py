@@ -166,6 +166,10 @@ class Optimizer(torch.optim.Optimizer):
         identity of each value is compared when nothing changed)."""
         state = self._tx_states[i]
         last = self._group_values[i]
+        if torch.compiler.is_compiling():
+            # dynamo's view of torch.optim param groups says capturable=True (it turns torch's
+            # CUDA optimizers capturable); our kernels do not depend on it: keep the built one
+            group = {**group, "capturable": last.get("capturable", False)}
         if all(group.get(k, v) is v for k, v in last.items()):
             return state
         state = self._layouts[i].synced(state, group)

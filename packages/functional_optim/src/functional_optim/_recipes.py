@@ -18,6 +18,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
+
 __all__ = ["recipe_of", "record", "remake", "transform_factory"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -31,7 +33,10 @@ _RECIPES: weakref.WeakKeyDictionary[Callable[..., Any], tuple[Callable[..., Any]
 
 
 def record(tx: Any, factory: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> None:
-    """Remember that ``factory(*args, **kwargs)`` made ``tx``."""
+    """Remember that ``factory(*args, **kwargs)`` made ``tx`` (not while torch.compile traces:
+    a transform built there is not one a user pickles)."""
+    if torch.compiler.is_compiling():
+        return
     _RECIPES[tx.update] = (tx.init, (factory, tuple(args), dict(kwargs)))
 
 

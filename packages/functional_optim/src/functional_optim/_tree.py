@@ -117,6 +117,8 @@ def leaves_like(spec: TreeSpec, tree: PyTree, what: str = "tree") -> list[Any]:
     Raises:
         ValueError: if the structures differ.
     """
+    if type(tree) is list and _LIST_SPECS.get(len(tree)) is spec:
+        return list(tree)  # a flat list against a flat list's spec (as flatten_up_to gives)
     try:
         leaves: list[Any] = spec.flatten_up_to(tree)
     except (ValueError, TypeError) as err:

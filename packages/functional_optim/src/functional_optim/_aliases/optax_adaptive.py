@@ -24,11 +24,10 @@ from functional_optim._aliases._optax_common import (
 from functional_optim._base import GradientTransformation, chain
 from functional_optim._recipes import transform_factory
 from functional_optim._transforms.masking import MaskOrFn
+from functional_optim._transforms.optax_adam import scale_by_amsgrad, scale_by_optax_adam
 from functional_optim._transforms.optax_adaptive import (
     scale_by_adan,
-    scale_by_amsgrad,
     scale_by_belief,
-    scale_by_optax_adam,
     scale_by_yogi,
 )
 from functional_optim._transforms.optax_layerwise import scale_by_novograd

@@ -22,9 +22,9 @@ from functional_optim._aliases._optax_common import (
 )
 from functional_optim._base import GradientTransformation, chain
 from functional_optim._recipes import transform_factory
+from functional_optim._transforms.lion import scale_by_lion
 from functional_optim._transforms.masking import MaskOrFn, masked
 from functional_optim._transforms.momentum import trace
-from functional_optim._transforms.optax_adaptive import scale_by_lion
 from functional_optim._transforms.optax_layerwise import scale_by_sm3
 from functional_optim._transforms.optax_misc import (
     NoiseKey,

@@ -1,65 +1,36 @@
-"""optax's adaptive scalings that torch.optim lacks, with optax's names, defaults and maths.
+"""optax's adaptive scalings with a second moment of their own, which torch.optim lacks.
 
-``scale_by_lion``, ``scale_by_amsgrad``, ``scale_by_belief``, ``scale_by_yogi``,
-``scale_by_adan`` and the optax flavour of Adam used by
-``nadamw`` and ``lamb`` (``eps_root`` and Nesterov momentum). Moments follow optax's
-``update_moment`` (``(1 - decay) * g**order + decay * m``) and ``bias_correction``
-(``m / (1 - decay**t)``); counts are kept per param (0-d tensors), so a param whose update is
-``None`` keeps its moments and its count.
+``scale_by_belief`` (AdaBelief), ``scale_by_yogi`` and ``scale_by_adan``, with optax's names,
+defaults and maths. Moments follow optax's ``update_moment`` (``(1 - decay) * g**order + decay *
+m``) and ``bias_correction`` (``m / (1 - decay**t)``); counts are kept per param (0-d tensors),
+so a param whose update is ``None`` keeps its moments and its count. optax's flavour of Adam and
+its AMSGrad are in :mod:`functional_optim._transforms.optax_adam`, Lion in
+:mod:`functional_optim._transforms.lion`.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState
-from functional_optim._lists import LeafView, ListTransform
 from functional_optim._recipes import transform_factory
 from functional_optim._transforms import _ops
 from functional_optim._transforms._leaf import debias, moment, store
 from functional_optim._transforms._leafwise import leafwise_lists
-from functional_optim._transforms.adam import ScaleByAdamState
-from functional_optim._tree import (
-    PyTree,
-    tree_flatten,
-    tree_full_like,
-    tree_zeros_like,
-)
+from functional_optim._transforms._optax_moments import Scalar, nesterov_mu_hat
+from functional_optim._tree import PyTree, tree_full_like, tree_zeros_like
 
 __all__ = [
     "ScaleByAdanState",
-    "ScaleByAmsgradState",
     "ScaleByBeliefState",
-    "ScaleByLionState",
     "ScaleByYogiState",
     "scale_by_adan",
-    "scale_by_amsgrad",
     "scale_by_belief",
-    "scale_by_lion",
-    "scale_by_optax_adam",
     "scale_by_yogi",
 ]
-
-Scalar = float | Tensor
-
-
-class ScaleByLionState(NamedTuple):
-    """State of :func:`scale_by_lion`: step counts and the momentum ``mu``."""
-
-    count: PyTree
-    mu: PyTree
-
-
-class ScaleByAmsgradState(NamedTuple):
-    """State of :func:`scale_by_amsgrad` (optax's): counts, moments, max of ``nu_hat``."""
-
-    count: PyTree
-    mu: PyTree
-    nu: PyTree
-    nu_max: PyTree
 
 
 class ScaleByBeliefState(NamedTuple):
@@ -87,181 +58,6 @@ class ScaleByAdanState(NamedTuple):
     n: PyTree
     g: PyTree
     t: PyTree
-
-
-def _zeros(params: PyTree, dtype: torch.dtype | None) -> PyTree:
-    """Zeros like ``params`` (in ``dtype`` when given: optax's ``mu_dtype``)."""
-    zeros = tree_zeros_like(params)
-    if dtype is None:
-        return zeros
-    leaves, spec = tree_flatten(zeros)
-    return spec.unflatten([None if z is None else z.to(dtype) for z in leaves])
-
-
-def _keep(buf: Tensor, new: Tensor, inplace: bool) -> Tensor:
-    """Store ``new`` in ``buf``'s dtype (the output uses ``new`` itself, as optax does)."""
-    return store(buf, new if new.dtype == buf.dtype else new.to(buf.dtype), inplace)
-
-
-def _nesterov_mu_hat(mu: Tensor, g: Tensor, b1: Scalar, count: Tensor) -> Tensor:
-    """Dozat's Nesterov estimate as optax forms it: ``b1 * m / (1 - b1**(t+1))
-    + (1 - b1) * g / (1 - b1**t)``."""
-    return b1 * debias(mu, b1, count + 1) + (1 - b1) * debias(g, b1, count)
-
-
-@transform_factory
-def scale_by_optax_adam(
-    b1: Scalar = 0.9,
-    b2: Scalar = 0.999,
-    eps: Scalar = 1e-8,
-    eps_root: Scalar = 0.0,
-    mu_dtype: torch.dtype | None = None,
-    *,
-    nesterov: bool = False,
-) -> GradientTransformation:
-    """optax's ``scale_by_adam``: ``m_hat / (sqrt(v_hat + eps_root) + eps)`` (optionally Nesterov).
-
-    ``fo.scale_by_adam`` keeps torch's op order; this one is optax's (used by ``nadamw`` and
-    ``lamb``), with ``eps_root`` inside the root and Dozat's Nesterov momentum.
-
-    Args:
-        b1: decay of the first moment.
-        b2: decay of the second moment.
-        eps: added to the denominator outside the root.
-        eps_root: added inside the root (make it > 0 to differentiate through at zero).
-        mu_dtype: dtype of the stored first moment (None: the params' dtype).
-        nesterov: use Nesterov momentum (NAdam).
-
-    Returns:
-        A ``GradientTransformation`` with state ``ScaleByAdamState`` (``nu_max`` is None).
-    """
-
-    def init(params: PyTree) -> ScaleByAdamState:
-        return ScaleByAdamState(
-            _ops.zero_counts(params), _zeros(params, mu_dtype), tree_zeros_like(params), None
-        )
-
-    def update(
-        updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
-    ) -> tuple[PyTree, OptState]:
-        del params
-
-        def leaf(g: Tensor, count: Tensor, mu: Tensor, nu: Tensor, _: None) -> tuple[object, ...]:
-            new_mu, new_nu = moment(g, mu, b1), moment(g, nu, b2, 2)
-            count = _ops.increment(count, inplace)
-            if nesterov:
-                mu_hat = _nesterov_mu_hat(new_mu, g, b1, count)
-            else:
-                mu_hat = debias(new_mu, b1, count)
-            out = mu_hat / (torch.sqrt(debias(new_nu, b2, count) + eps_root) + eps)
-            return out, count, _keep(mu, new_mu, inplace), store(nu, new_nu, inplace), None
-
-        return _ops.map_state(updates, state, ScaleByAdamState, leaf, ("nu_max",))
-
-    lists = leafwise_lists("scale_by_optax_adam", {}, update)
-    return GradientTransformation(init, update, lists=lists)
-
-
-@transform_factory
-def scale_by_lion(
-    b1: Scalar = 0.9, b2: Scalar = 0.99, mu_dtype: torch.dtype | None = None
-) -> GradientTransformation:
-    """Lion: output ``sign((1 - b1) * g + b1 * mu)``, then ``mu = b2 * mu + (1 - b2) * g``.
-
-    Args:
-        b1: rate combining the momentum and the current update.
-        b2: decay of the momentum.
-        mu_dtype: dtype of the stored momentum (None: the params' dtype).
-
-    Returns:
-        A ``GradientTransformation`` with state :class:`ScaleByLionState`.
-    """
-
-    def init(params: PyTree) -> ScaleByLionState:
-        return ScaleByLionState(_ops.zero_counts(params), _zeros(params, mu_dtype))
-
-    def update(
-        updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
-    ) -> tuple[PyTree, OptState]:
-        del params
-
-        def leaf(g: Tensor, count: Tensor, mu: Tensor) -> tuple[Tensor, ...]:
-            out = torch.sign((1 - b1) * g + b1 * mu)
-            new_mu = moment(g, mu, b2)
-            return out, _ops.increment(count, inplace), _keep(mu, new_mu, inplace)
-
-        return _ops.map_state(updates, state, ScaleByLionState, leaf)
-
-    def apply(updates: list[Tensor], state: OptState, view: LeafView) -> tuple[list[Tensor], Any]:
-        if not updates:
-            return updates, state
-        mu = view.gather(state.mu)
-        _ops.increment_counts(view.gather(state.count))
-        out = list(torch._foreach_mul(updates, 1 - b1))
-        torch._foreach_add_(out, torch._foreach_mul(mu, b1))
-        torch._foreach_sign_(out)
-        torch._foreach_mul_(mu, b2)  # b2 * mu + (1 - b2) * g: the same sum as moment()
-        torch._foreach_add_(mu, torch._foreach_mul(updates, 1 - b2))
-        return out, state
-
-    same_dtype = mu_dtype is None and not isinstance(b1, Tensor) and not isinstance(b2, Tensor)
-    lists = None
-    if same_dtype:
-        lists = ListTransform("scale_by_lion", {"b1": b1, "b2": b2}, apply, writes_updates=False)
-    return GradientTransformation(init, update, lists=lists)
-
-
-@transform_factory
-def scale_by_amsgrad(
-    b1: Scalar = 0.9,
-    b2: Scalar = 0.999,
-    eps: Scalar = 1e-8,
-    eps_root: Scalar = 0.0,
-    mu_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
-    """optax's AMSGrad: ``m_hat / (sqrt(nu_max + eps_root) + eps)``, ``nu_max = max(nu_max,
-    v_hat)``.
-
-    optax keeps the maximum of the bias-corrected ``v_hat``; ``torch.optim.Adam(amsgrad=True)``
-    (``fo.adam(amsgrad=True)``) keeps the maximum of the raw ``v`` and divides it by the current
-    correction, so the two differ while ``1 - b2**t`` changes.
-
-    Args:
-        b1: decay of the first moment.
-        b2: decay of the second moment.
-        eps: added to the denominator outside the root.
-        eps_root: added inside the root.
-        mu_dtype: dtype of the stored first moment (None: the params' dtype).
-
-    Returns:
-        A ``GradientTransformation`` with state :class:`ScaleByAmsgradState`.
-    """
-
-    def init(params: PyTree) -> ScaleByAmsgradState:
-        zeros = tree_zeros_like
-        return ScaleByAmsgradState(
-            _ops.zero_counts(params), _zeros(params, mu_dtype), zeros(params), zeros(params)
-        )
-
-    def update(
-        updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
-    ) -> tuple[PyTree, OptState]:
-        del params
-
-        def leaf(
-            g: Tensor, count: Tensor, mu: Tensor, nu: Tensor, nu_max: Tensor
-        ) -> tuple[Tensor, ...]:
-            new_mu, new_nu = moment(g, mu, b1), moment(g, nu, b2, 2)
-            count = _ops.increment(count, inplace)
-            new_max = torch.maximum(nu_max, debias(new_nu, b2, count))
-            out = debias(new_mu, b1, count) / (torch.sqrt(new_max + eps_root) + eps)
-            mu, nu = _keep(mu, new_mu, inplace), store(nu, new_nu, inplace)
-            return out, count, mu, nu, store(nu_max, new_max, inplace)
-
-        return _ops.map_state(updates, state, ScaleByAmsgradState, leaf)
-
-    lists = leafwise_lists("scale_by_amsgrad", {}, update)
-    return GradientTransformation(init, update, lists=lists)
 
 
 @transform_factory
@@ -301,7 +97,7 @@ def scale_by_belief(
             new_nu = moment(g - new_mu, nu, b2, 2) + eps_root
             count = _ops.increment(count, inplace)
             if nesterov:
-                mu_hat = _nesterov_mu_hat(new_mu, g, b1, count)
+                mu_hat = nesterov_mu_hat(new_mu, g, b1, count)
             else:
                 mu_hat = debias(new_mu, b1, count)
             out = mu_hat / (torch.sqrt(debias(new_nu, b2, count)) + eps)
