@@ -3,8 +3,8 @@
 * torch 2.13's fused CPU SGD with momentum reads memory it never wrote in bfloat16 / float16
   (two identical runs differ): our fused path runs torch's loop there (bitwise
   ``foreach=False``), whether picked by default or asked for.
-* torch's fused Adagrad is CPU-only: ``fused`` on another device gets torch's message, whose
-  device list leaves out ``cuda`` (the CUDA side runs in tests/on_device).
+* ``fused`` on a device torch's fused kernels do not take gets torch's message (torch 2.13's
+  fused Adagrad takes CUDA too; the CUDA side runs in tests/on_device).
 """
 
 from __future__ import annotations

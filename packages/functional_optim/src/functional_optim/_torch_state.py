@@ -8,7 +8,10 @@ chain. ``from_torch_state`` is its inverse, given a template state from ``tx.ini
 Per-param fields of the built-in states use torch's names; fields of other states use their
 own name, prefixed by the component's position in the chain (``"3.mu"``) when the name is
 already taken. ``None`` entries (a buffer not created yet) are left out, as torch leaves out
-state it has not created.
+state it has not created. Two declarations follow torch's layout where it is not one tensor
+per param: :data:`TORCH_INT_FIELDS` (per-param counts torch keeps as Python ints, SparseAdam's
+``step``) and :data:`TORCH_FIRST_PARAM_STATE` (a state torch keeps whole in its first param's
+dict, LBFGS's).
 
 ``check_torch_state`` validates torch-style dicts against a template before anything is
 loaded (``fo.Optimizer.load_state_dict`` runs it first): every per-param entry of a param that
@@ -17,9 +20,9 @@ has state, with the template's size, a step count that is a number.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from numbers import Real
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -28,14 +31,60 @@ from functional_optim._base import OptState
 from functional_optim._counts import detached_count, repacked_like
 from functional_optim._registry import TORCH_STATE_NAMES
 from functional_optim._transforms.hyperparams import InjectHyperparamsState
+from functional_optim._transforms.lbfgs import LbfgsState, check_memory, loaded_memory
+from functional_optim._transforms.sparse_adam import ScaleBySparseAdamState
 from functional_optim._tree import PyTree, TreeSpec, tree_structure
 
-__all__ = ["check_torch_state", "from_torch_state", "to_torch_state", "tree_nodes"]
+__all__ = [
+    "TORCH_FIRST_PARAM_STATE",
+    "FirstParamState",
+    "TORCH_INT_FIELDS",
+    "check_torch_state",
+    "from_torch_state",
+    "to_torch_state",
+    "tree_nodes",
+]
 
 
 #: State type -> (field -> torch's per-param state key), from the algorithm registry (the live
 #: dict: an algorithm registered at run time is found too).
 _TORCH_NAMES: dict[type, dict[str, str]] = TORCH_STATE_NAMES
+
+#: State type -> its per-param count fields that torch keeps as Python ints: exported as
+#: ``int``, loaded from an int or a tensor (torch's SparseAdam ``state["step"]``).
+TORCH_INT_FIELDS: dict[type, frozenset[str]] = {ScaleBySparseAdamState: frozenset({"count"})}
+
+
+class FirstParamState(NamedTuple):
+    """A state torch keeps whole in the dict of the group's first param (``state[params[0]]``).
+
+    Attributes:
+        field: the state's field holding it, a dict of torch's entries (exported into that
+            param's dict as they are).
+        check: ``check(loaded, params, where)`` raises for a loaded dict that does not fit
+            ``params`` (the group's leaves), before anything is loaded.
+        load: ``load(loaded, params)`` gives the field's new value from a loaded dict (the
+            first param's entries, but those of per-param fields of other components).
+    """
+
+    field: str
+    check: Callable[[Mapping[str, Any], Sequence[Any], str], None]
+    load: Callable[[Mapping[str, Any], Sequence[Any]], dict[str, Any]]
+
+
+#: State type -> :class:`FirstParamState`: torch's LBFGS has only global state and stores it
+#: in its first param's dict (``func_evals``, ``n_iter``, ``d``, ``t``, ``old_dirs``, ...).
+TORCH_FIRST_PARAM_STATE: dict[type, FirstParamState] = {
+    LbfgsState: FirstParamState("memory", check_memory, loaded_memory)
+}
+
+
+class _Key(NamedTuple):
+    """Where one state field goes: its key, and how it is laid out."""
+
+    key: str
+    kind: str  # "param" (one entry per param), "group" (fo_state) or "first" (first param's)
+    as_int: bool = False  # a per-param count exported as a Python int
 
 
 def _is_component(node: Any) -> bool:
@@ -62,21 +111,37 @@ def tree_nodes(state: OptState) -> Iterator[Any]:
         yield comp
 
 
-def _keys(state: OptState, spec: TreeSpec) -> dict[tuple[str, str], tuple[str, bool]]:
-    """Map ``(component path, field)`` to ``(torch key, per_param)`` for every field."""
-    out: dict[tuple[str, str], tuple[str, bool]] = {}
+def _keys(state: OptState, spec: TreeSpec) -> dict[tuple[str, str], _Key]:
+    """Map ``(component path, field)`` to its :class:`_Key` for every field."""
+    out: dict[tuple[str, str], _Key] = {}
     used: set[str] = set()
     for path, comp in _components(state):
         names = _TORCH_NAMES.get(type(comp), {})
+        ints = TORCH_INT_FIELDS.get(type(comp), frozenset())
+        first = TORCH_FIRST_PARAM_STATE.get(type(comp))
         for field in comp._fields:
             value = getattr(comp, field)
+            if first is not None and field == first.field and spec.num_leaves > 0:
+                out[(path, field)] = _Key(field, "first")
+                continue
             per_param = value is not None and tree_structure(value) == spec
             key = names.get(field, field)
             if not per_param or key in used:
                 key = f"{path}.{key}" if path else key
             used.add(key)
-            out[(path, field)] = (key, per_param)
+            out[(path, field)] = _Key(key, "param" if per_param else "group", field in ints)
     return out
+
+
+def _first_index(leaves: Sequence[Any]) -> int:
+    """The position of the first param (torch's ``self._params[0]``): the first tensor leaf."""
+    return next((i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)), 0)
+
+
+def _first_param_dict(d: Mapping[str, Any], keys: Mapping[tuple[str, str], _Key]) -> dict[str, Any]:
+    """The first param's dict ``d`` without the entries of per-param fields."""
+    taken = {k.key for k in keys.values() if k.kind == "param"}
+    return {k: v for k, v in d.items() if k not in taken}
 
 
 def to_torch_state(state: OptState, params: PyTree) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -99,14 +164,17 @@ def to_torch_state(state: OptState, params: PyTree) -> tuple[list[dict[str, Any]
     keys = _keys(state, spec)
     for path, comp in _components(state):
         for field in comp._fields:
-            key, is_per_param = keys[(path, field)]
+            key, kind, as_int = keys[(path, field)]
             value = getattr(comp, field)
             if value is None:
                 continue
-            if is_per_param:
-                for d, leaf in zip(per_param, spec.flatten_up_to(value), strict=True):
+            if kind == "first":
+                per_param[_first_index(spec.flatten_up_to(params))].update(value)
+            elif kind == "param":
+                leaves: list[Any] = spec.flatten_up_to(value)
+                for d, leaf in zip(per_param, leaves, strict=True):
                     if leaf is not None:
-                        d[key] = detached_count(leaf)
+                        d[key] = int(leaf.item()) if as_int else detached_count(leaf)
             else:
                 group[key] = value
     return per_param, group
@@ -175,7 +243,8 @@ def check_torch_state(
     as torch creates it. A param with an entry must have every per-param entry of the template
     (torch's keys, in field order; a lazily created buffer, as SGD's ``momentum_buffer``, may
     be absent), with the template's size (the param's for a lazily created one), and per-param
-    scalars (``step``) must be numbers.
+    scalars (``step``) must be numbers. A whole-group state kept in the first param's dict
+    (:data:`TORCH_FIRST_PARAM_STATE`, LBFGS's) is checked by its ``check``.
 
     Args:
         template: ``tx.init(params)``.
@@ -188,7 +257,7 @@ def check_torch_state(
         KeyError: a per-param entry is missing (torch's ``KeyError('step')``).
         ValueError: a step count is not a number; ``per_param`` has the wrong length.
         RuntimeError: a tensor's size is not the template's (or a count holds several values).
-        TypeError: an entry that should be a tensor is not one.
+        TypeError: an entry that should be a tensor (or a list of them) is not one.
     """
     spec = tree_structure(params)
     if len(per_param) != spec.num_leaves:
@@ -198,9 +267,13 @@ def check_torch_state(
     keys = _keys(template, spec)
     for path, comp in _components(template):
         for field in comp._fields:
-            key, is_per_param = keys[(path, field)]
+            key, kind, _ = keys[(path, field)]
             value = getattr(comp, field)
-            if is_per_param:
+            if kind == "first":
+                i = _first_index(leaves)
+                loaded = _first_param_dict(per_param[i] or {}, keys)
+                TORCH_FIRST_PARAM_STATE[type(comp)].check(loaded, leaves, f"param {first + i}")
+            elif kind == "param":
                 values: list[Any] = spec.flatten_up_to(value)
                 for j, (leaf, d) in enumerate(zip(values, per_param, strict=True)):
                     if not d:
@@ -231,8 +304,9 @@ def from_torch_state(
 
     Returns:
         A state of the template's structure, values cast to the template's dtypes and devices
-        (step counters packed into one new buffer as ``init`` packs them; the template is not
-        written to).
+        (step counters packed into one new buffer as ``init`` packs them, Python-int counts as
+        tensors; the template is not written to). A whole-group state of
+        :data:`TORCH_FIRST_PARAM_STATE` is what its ``load`` makes of the first param's dict.
 
     Raises:
         ValueError: if ``per_param`` has the wrong length.
@@ -246,11 +320,16 @@ def from_torch_state(
     for path, comp in _components(template):
         values: dict[str, Any] = {}
         for field in comp._fields:
-            key, is_per_param = keys[(path, field)]
+            key, kind, _ = keys[(path, field)]
             value = getattr(comp, field)
-            if value is None:
+            if kind == "first":
+                leaves = spec.flatten_up_to(params)
+                loaded = per_param[_first_index(leaves)]
+                load = TORCH_FIRST_PARAM_STATE[type(comp)].load
+                values[field] = load(_first_param_dict(loaded, keys), leaves) if loaded else value
+            elif value is None:
                 values[field] = None
-            elif is_per_param:
+            elif kind == "param":
                 leaves = spec.flatten_up_to(value)
                 new = [
                     _restore(leaf, d[key]) if key in d else leaf

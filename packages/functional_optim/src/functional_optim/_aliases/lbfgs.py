@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from functional_optim._aliases._common import as_float
+from functional_optim._aliases._common import scalar_lr
 from functional_optim._base import GradientTransformation, OptState
 from functional_optim._recipes import transform_factory
 from functional_optim._transforms.hyperparams import inject_hyperparams
@@ -22,7 +22,7 @@ _NEEDS_CLOSURE = (
 
 @transform_factory
 def scale_by_lbfgs(
-    lr: float = 1.0,
+    lr: float | Tensor = 1.0,
     max_iter: int = 20,
     max_eval: int | None = None,
     tolerance_grad: float = 1e-7,
@@ -33,7 +33,9 @@ def scale_by_lbfgs(
     """L-BFGS as a transform whose ``step(params, closure, state)`` takes a closure in place
     of the gradients (it evaluates the model several times per step); ``update`` raises.
 
-    Args: as :func:`lbfgs` (``max_eval`` None: ``max_iter * 5 // 4``).
+    Args: as :func:`lbfgs` (``max_eval`` None: ``max_iter * 5 // 4``). ``lr`` is used as it is
+    given (an int, a float or a 0-d tensor), as torch uses it: the step ``t`` kept in the state
+    is of its type.
 
     Returns:
         A ``GradientTransformation`` with state :class:`LbfgsState`.
@@ -88,7 +90,7 @@ def _build_lbfgs(
     if not lr >= 0.0:
         raise ValueError(f"Invalid learning rate: {lr}")
     return scale_by_lbfgs(
-        as_float(lr),
+        scalar_lr(lr),  # torch's _to_scalar: a number or a 0-d tensor, used as it is
         max_iter,
         max_eval,
         tolerance_grad,

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from torch import Tensor
 
 from functional_optim._aliases._common import (
     LearningRate,
     scalar_lr,
 )
-from functional_optim._aliases._kernel_step import fused
+from functional_optim._aliases._kernel_step import LR, SPECS, KernelSpec, fused, with_kernel
 from functional_optim._base import GradientTransformation, chain
 from functional_optim._recipes import transform_factory
 from functional_optim._transforms._leaf import is_traced
@@ -20,7 +23,35 @@ from functional_optim._transforms.muon import (
 from functional_optim._transforms.scale import scale_by_learning_rate
 from functional_optim._transforms.weight_decay import add_decayed_weights
 
-__all__ = ["muon"]
+__all__ = ["fused_tensor_lr", "muon"]
+
+#: Alias name -> (its registered kernel declaration, that declaration taking ``lr`` as given).
+_TENSOR_LR_SPECS: dict[str, tuple[KernelSpec, KernelSpec]] = {}
+
+
+def _tensor_lr_spec(name: str) -> KernelSpec:
+    """``name``'s kernel declaration with the ``lr`` argument passed as the builder has it
+    (the ``LR`` source reads a tensor as a float), derived again if the entry changed."""
+    if name not in SPECS:
+        raise KeyError(f"no registered algorithm {name!r} declares a kernel")
+    spec = SPECS[name]
+    cached = _TENSOR_LR_SPECS.get(name)
+    if cached is None or cached[0] is not spec:
+        args = tuple("lr" if arg is LR else arg for arg in spec.args)
+        cached = (spec, dataclasses.replace(spec, args=args))
+        _TENSOR_LR_SPECS[name] = cached
+    return cached[1]
+
+
+def fused_tensor_lr(tx: GradientTransformation, name: str, **values: Any) -> GradientTransformation:
+    """``fused(tx, name, **values)``, but a tensor ``lr`` reaches the kernel as the tensor:
+    torch's Muon and SparseAdam compute their step sizes from a tensor lr in tensor maths (in
+    its dtype), which the kernel reproduces only when it gets the tensor. A float, a schedule
+    or a traced (vmapped) lr goes through :func:`fused` as before."""
+    lr = values["lr"]
+    if not isinstance(lr, Tensor) or is_traced(lr):
+        return fused(tx, name, **values)
+    return with_kernel(tx, _tensor_lr_spec(name), values)
 
 
 def _check(
@@ -58,7 +89,7 @@ def _build_muon(
         add_decayed_weights(weight_decay),
         scale_by_learning_rate(lr),
     )
-    return fused(
+    return fused_tensor_lr(
         tx,
         "muon",
         lr=lr,

@@ -9,8 +9,9 @@ from functional_optim._aliases._common import (
     as_float,
     check_betas,
     maximize_tx,
+    scalar_lr,
 )
-from functional_optim._aliases._kernel_step import fused
+from functional_optim._aliases.muon import fused_tensor_lr
 from functional_optim._base import GradientTransformation, chain
 from functional_optim._recipes import transform_factory
 from functional_optim._transforms.hyperparams import inject_hyperparams
@@ -34,8 +35,9 @@ def _build_sparse_adam(
         raise ValueError(f"Invalid epsilon value: {eps}")
     check_betas(betas)
     b1, b2 = as_float(betas[0]), as_float(betas[1])
+    lr = scalar_lr(lr)  # torch's _to_scalar: a 1-element tensor as a 0-d one
     tx = chain(maximize_tx(maximize), scale_by_sparse_adam(b1, b2, eps), scale_by_learning_rate(lr))
-    return fused(tx, "sparse_adam", lr=lr, b1=b1, b2=b2, eps=eps, maximize=maximize)
+    return fused_tensor_lr(tx, "sparse_adam", lr=lr, b1=b1, b2=b2, eps=eps, maximize=maximize)
 
 
 @transform_factory

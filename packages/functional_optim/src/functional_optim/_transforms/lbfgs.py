@@ -6,12 +6,14 @@ strong-Wolfe line search) and returns the closure's first loss. ``memory`` is to
 dict of the first param (``func_evals``, ``n_iter``, ``d``, ``t``, ``old_dirs``, ``old_stps``,
 ``ro``, ``H_diag``, ``prev_flat_grad``, ``prev_loss``, ``al``), updated in place, so a
 ``state_dict`` maps onto torch's. The arithmetic follows torch's order: results are bitwise
-equal.
+equal. :func:`check_memory` and :func:`loaded_memory` check and take such a dict loaded from a
+state dict (``functional_optim._torch_state``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from numbers import Real
 from typing import Any, NamedTuple
 
 import torch
@@ -19,7 +21,7 @@ from torch import Tensor
 
 from functional_optim._transforms.line_search import strong_wolfe
 
-__all__ = ["LbfgsState", "lbfgs_minimize"]
+__all__ = ["LbfgsState", "check_memory", "lbfgs_minimize", "loaded_memory"]
 
 Closure = Callable[[], Any]
 
@@ -28,6 +30,101 @@ class LbfgsState(NamedTuple):
     """State of the ``lbfgs`` alias: torch's LBFGS state dict (mutated by each step)."""
 
     memory: dict[str, Any]
+
+
+#: The memory's flat vectors over all params, the lists of them, and its counts.
+_FLAT = ("d", "prev_flat_grad")
+_FLAT_LISTS = ("old_dirs", "old_stps")
+_COUNTS = ("func_evals", "n_iter")
+
+
+def _check_flat(key: str, where: str, value: Any, numel: int) -> None:
+    if not isinstance(value, Tensor):
+        raise TypeError(
+            f"state {key!r} of {where} is a {type(value).__name__}, not a tensor; load a state "
+            "dict saved by an optimizer of this algorithm"
+        )
+    if value.numel() != numel:
+        raise RuntimeError(
+            f"the size of state {key!r} of {where} ({list(value.shape)}) must match the params' "
+            f"total size ({numel}); the state dict was saved for other params: load it into an "
+            "optimizer over the same params, in order"
+        )
+
+
+def check_memory(memory: Mapping[str, Any], params: Sequence[Any], where: str) -> None:
+    """Check a loaded memory (torch's LBFGS state of the first param) against ``params``.
+
+    Torch takes any dict and fails at a later step; this refuses, before anything is loaded,
+    counts that are not numbers and flat vectors (``d``, ``prev_flat_grad``, the entries of
+    ``old_dirs`` and ``old_stps``) that are not as long as the params together. Other entries
+    are taken as they are.
+
+    Raises:
+        ValueError: a count is not a number.
+        TypeError: a flat vector is not a tensor (or a list of them not a list).
+        RuntimeError: a flat vector's size is not the params'.
+    """
+    for key in _COUNTS:
+        value = memory.get(key, 0)
+        if not isinstance(value, Real) and not (isinstance(value, Tensor) and value.numel() == 1):
+            raise ValueError(
+                f"state {key!r} of {where} must be a number, got {type(value).__name__} {value!r}"
+            )
+    numel = sum(
+        2 * p.numel() if p.is_complex() else p.numel() for p in params if isinstance(p, Tensor)
+    )
+    for key in _FLAT:
+        if memory.get(key) is not None:
+            _check_flat(key, where, memory[key], numel)
+    for key in _FLAT_LISTS:
+        if memory.get(key) is not None:
+            if not isinstance(memory[key], list):
+                raise TypeError(f"state {key!r} of {where} must be a list of tensors")
+            for i, item in enumerate(memory[key]):
+                _check_flat(f"{key}[{i}]", where, item, numel)
+
+
+def _flat_dtype(params: Sequence[Any]) -> torch.dtype | None:
+    """The dtype of the params as one flat real vector (``torch.cat`` of their real views)."""
+    dtypes = [p.real.dtype for p in params if isinstance(p, Tensor)]
+    if not dtypes or not all(d.is_floating_point for d in dtypes):
+        return None
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        out = torch.promote_types(out, d)
+    return out
+
+
+def _as_flat(value: Any, dtype: torch.dtype | None, copy: bool) -> Any:
+    if isinstance(value, Tensor):
+        if dtype is not None and value.is_floating_point():
+            return value.to(dtype, copy=copy)
+        return value.clone() if copy else value
+    if isinstance(value, list):
+        return [_as_flat(v, dtype, copy) for v in value]
+    return value
+
+
+def loaded_memory(memory: Mapping[str, Any], params: Sequence[Any]) -> dict[str, Any]:
+    """The memory to step on from a loaded one (checked by :func:`check_memory`).
+
+    A new dict with new lists (a step appends to them), ``d`` and ``prev_flat_grad`` copied
+    (a step writes into ``prev_flat_grad``: an optimizer that saved the dict and steps on does
+    not change the one that loaded it), other tensors shared as torch's ``load_state_dict``
+    shares them. The flat vectors get the params' flat dtype back: torch's ``load_state_dict``
+    casts every state tensor of a param to that param's dtype, so with params of several
+    dtypes (float32 first, float64 after) they arrive in the first param's dtype and torch's
+    LBFGS fails at its next step (``dot``: Double and Float); cast back they take the step
+    (what the cast rounded stays rounded).
+    """
+    dtype = _flat_dtype(params)
+    out: dict[str, Any] = {}
+    for key, value in memory.items():
+        if key in _FLAT or key in _FLAT_LISTS:
+            value = _as_flat(value, dtype, copy=key in _FLAT)
+        out[key] = list(value) if isinstance(value, list) else value
+    return out
 
 
 class _Flat:
@@ -100,7 +197,7 @@ def lbfgs_minimize(
     params: list[Tensor],
     closure: Closure,
     memory: dict[str, Any],
-    lr: float,
+    lr: float | Tensor,
     max_iter: int,
     max_eval: int,
     tolerance_grad: float,

@@ -287,19 +287,21 @@ def adagrad(
         lr_decay: learning-rate decay.
         eps: term added to the denominator.
         maximize: maximize the objective instead of minimizing.
-        impl: ``auto`` (fused where supported, the per-tensor loop for sparse gradients or
-            complex params), ``single``, ``foreach`` or ``fused``.
+        impl: ``auto`` (fused on CPU, foreach on CUDA as torch's default there, the
+            per-tensor loop for sparse gradients or complex params), ``single``, ``foreach``
+            or ``fused`` (CPU and CUDA, as torch's).
 
     Raises:
         ValueError: for an unknown ``impl`` or lists of different lengths.
         RuntimeError: see :func:`adagrad_single` and :func:`adagrad_fused`.
     """
     # resolve_impl looks at the params only; fused cannot take sparse gradients.
-    # torch's fused Adagrad is CPU-only: ``auto`` takes foreach on CUDA, ``fused`` is refused.
+    # torch's fused Adagrad runs on CPU and CUDA (``fused=True`` is taken on both, and its
+    # message lists "cuda"); ``auto`` keeps torch's default on CUDA, foreach.
     if impl == "auto" and has_sparse(grads):
         path = "single"
     else:
-        path = resolve_impl(impl, params, True, False)
+        path = resolve_impl(impl, params, True, impl != "auto")
     if path == "fused":
         adagrad_fused(
             params, grads, state_sums, state_steps, lr, weight_decay, lr_decay, eps, maximize

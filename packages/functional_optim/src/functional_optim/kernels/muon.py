@@ -1,11 +1,13 @@
 """muon kernel: momentum, Newton-Schulz orthogonalisation in bfloat16, shape-adjusted step.
 
 torch has only a per-tensor Muon (``foreach=True`` raises there); this reproduces
-``torch.optim.Muon`` op for op, so results are bitwise equal. 2-D params only.
+``torch.optim.Muon`` op for op, so results are bitwise equal. 2-D params only. A tensor ``lr``
+gives the step size and the decay factor in tensor maths (0-d tensors of ``lr``'s dtype), as
+torch computes them from one.
 """
 
 import math
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -64,7 +66,7 @@ def muon_single(
     params: List[Tensor],
     grads: List[Tensor],
     momentum_buffers: List[Tensor],
-    lr: float,
+    lr: Union[float, Tensor],
     weight_decay: float,
     momentum: float,
     nesterov: bool,
@@ -85,16 +87,23 @@ def muon_single(
         buf.lerp_(grad, 1 - momentum)
         update = grad.lerp(buf, momentum) if nesterov else buf
         ortho = newton_schulz(update, ns_coefficients, ns_steps, eps)
-        adjusted = lr * adjusted_lr_ratio(adjust_lr_fn, param.size(0), param.size(1))
-        param.mul_(1 - lr * weight_decay)
-        param.add_(ortho, alpha=-adjusted)
+        ratio = adjusted_lr_ratio(adjust_lr_fn, param.size(0), param.size(1))
+        if isinstance(lr, Tensor):
+            # torch's ``alpha=-(lr * ratio)`` takes the 0-d tensor's value (``.item()``)
+            lr_adjusted = lr * ratio
+            param.mul_(1 - lr * weight_decay)
+            param.add_(ortho, alpha=-float(lr_adjusted.item()))
+        else:
+            adjusted = lr * ratio
+            param.mul_(1 - lr * weight_decay)
+            param.add_(ortho, alpha=-adjusted)
 
 
 def muon(
     params: List[Tensor],
     grads: List[Tensor],
     momentum_buffers: List[Tensor],
-    lr: float,
+    lr: Union[float, Tensor],
     weight_decay: float,
     momentum: float,
     nesterov: bool,
@@ -112,7 +121,9 @@ def muon(
         params: 2-D parameters to update.
         grads: one gradient per param.
         momentum_buffers: momentum buffers (zeros at first), one per param.
-        lr: learning rate (also scales the decoupled weight decay).
+        lr: learning rate (also scales the decoupled weight decay): a float, or a 0-d tensor
+            (the step size and ``1 - lr * weight_decay`` are then computed in its dtype, as
+            torch does).
         weight_decay: decoupled weight decay.
         momentum: momentum factor.
         nesterov: use the Nesterov look-ahead as the matrix to orthogonalise.

@@ -2,10 +2,12 @@
 
 Reproduces torch's per-tensor implementation op for op (there is no other), so results are
 bitwise equal: the moments and the param change only where the coalesced gradient has entries.
+A tensor ``lr`` gives the step size in tensor maths (a 0-d tensor of ``lr``'s dtype), as torch
+computes it from one.
 """
 
 import math
-from typing import List, Optional
+from typing import List, Optional, Union
 
 from torch import Tensor
 
@@ -29,7 +31,7 @@ def sparse_adam(
     eps: float,
     beta1: float,
     beta2: float,
-    lr: float,
+    lr: Union[float, Tensor],
     maximize: bool,
 ) -> None:
     """SparseAdam (torch.optim.SparseAdam): dense params, sparse (COO) gradients.
@@ -47,7 +49,8 @@ def sparse_adam(
         eps: term added to the denominator.
         beta1: first-moment decay.
         beta2: second-moment decay.
-        lr: learning rate.
+        lr: learning rate: a float, or a 0-d tensor (the step size is then computed in its
+            dtype, as torch does).
         maximize: maximize the objective instead of minimizing.
 
     Raises:
@@ -83,5 +86,10 @@ def sparse_adam(
         denom = exp_avg_sq_update.sqrt_().add_(eps)
         bias_correction1 = 1 - beta1**step
         bias_correction2 = 1 - beta2**step
-        step_size = lr * math.sqrt(bias_correction2) / bias_correction1
-        _add_at(param, indices, -step_size * numer.div_(denom))
+        if isinstance(lr, Tensor):
+            lr_step_size = lr * math.sqrt(bias_correction2) / bias_correction1
+            update = -lr_step_size * numer.div_(denom)
+        else:
+            step_size = lr * math.sqrt(bias_correction2) / bias_correction1
+            update = -step_size * numer.div_(denom)
+        _add_at(param, indices, update)
