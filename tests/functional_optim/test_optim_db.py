@@ -1,8 +1,8 @@
 """The torch-named aliases against torch's own optimizer database (``optim_db``, torch 2.13).
 
 For every ``OptimizerInfo`` in ``torch.testing._internal.common_optimizers.optim_db`` whose
-class has an alias here (``fo.ALGORITHMS`` by ``torch_name``; :data:`NO_ALIAS` lists the ones
-without, skipped):
+class has an alias here (``fo.ALGORITHMS`` by ``torch_name``; every class has one, and
+:func:`test_optim_db_classes_have_aliases` fails for a new class without):
 
 * every CPU configuration, built as torch's ``_get_optim_inputs_including_global_cliquey_kwargs``
   builds it: each of ``optim_inputs_func(device="cpu")`` with all the implementation flags the
@@ -90,8 +90,6 @@ STEP = _db.OptimizerErrorEnum.STEP_ERROR
 ALIASES: dict[str, Callable[..., fo.GradientTransformation]] = {
     a.torch_name: a.alias for a in fo.ALGORITHMS if a.alias is not None
 }
-#: optim_db classes without an alias here, with the reason (none at present).
-NO_ALIAS: dict[str, str] = {}
 #: (rtol, atol) for ``differentiable=True`` of :data:`DIFFERENTIABLE_TENSOR_MATHS` (see the
 #: module docstring); measured: a few float32 ulps, ~4e-10 on float64 params.
 DIFFERENTIABLE_TOL = (1e-5, 1e-6)
@@ -125,9 +123,8 @@ class Case:
 
 
 def _mark(info: Any) -> tuple[Any, ...]:
-    if info.name in NO_ALIAS:
-        reason = f"no alias for torch.optim.{info.name}: {NO_ALIAS[info.name]}"
-        return (pytest.mark.skip(reason=reason),)
+    """Marks of a class's cases (none: every optim_db class is covered)."""
+    del info
     return ()
 
 
@@ -343,17 +340,15 @@ def _stepped_state(state_dict: dict[str, Any], torch_state: dict[str, Any]) -> d
 
 
 def test_optim_db_classes_have_aliases() -> None:
-    """Every optim_db class has an alias, but those :data:`NO_ALIAS` names (each skipped)."""
+    """Every optim_db class has an alias."""
     classes = {info.name for info in OPTIM_DB}
-    assert classes - set(ALIASES) == set(NO_ALIAS)
+    assert classes - set(ALIASES) == set()
 
 
 @pytest.mark.parametrize("info", OPTIM_DB, ids=lambda info: info.name)
 def test_signature_and_param_groups_are_torchs(info: Any) -> None:
     """The alias takes torch's arguments (names, kinds, defaults, order) and its param groups
     carry torch's keys and default values."""
-    if info.name in NO_ALIAS:
-        pytest.skip(NO_ALIAS[info.name])
     import inspect
 
     alias = ALIASES[info.name]
@@ -417,8 +412,9 @@ def test_torch_resumes_from_our_state_dict(case: Case) -> None:
     from its own (LBFGS: the cast gives its float64 flat vectors the first param's float32,
     and its next ``dot`` raises), it fails from ours the same way."""
     ours, theirs = _both(case)
-    if ours.error is not None or theirs.error is not None:
-        pytest.skip(f"the configuration raises: {theirs.describe()}")
+    if ours.error is not None or theirs.error is not None:  # nothing to resume: same error
+        _assert_same_error(ours, theirs)
+        return
 
     def default(params: list[Tensor]) -> Any:
         return case.info.optim_cls(params)
