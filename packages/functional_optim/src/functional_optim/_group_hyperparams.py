@@ -10,7 +10,7 @@ scheduler fails with a clear error instead of driving one of them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from functional_optim._base import OptState
@@ -27,12 +27,11 @@ class GroupHyperparams:
     """Where each exposed param-group key lives in a transform state.
 
     Attributes:
-        keys: group key -> ``(node index, hyperparameter name)``.
-        ambiguous: group keys that several nodes have (not exposed).
+        keys: group key -> ``(node index, hyperparameter name)``; a key several nodes have
+            is not in it.
     """
 
     keys: dict[str, tuple[int, str]]
-    ambiguous: frozenset[str] = field(default_factory=frozenset)
 
     @staticmethod
     def of(state: OptState) -> GroupHyperparams:
@@ -45,9 +44,7 @@ class GroupHyperparams:
                 if name in _TORCH_KEYS and _TORCH_KEYS[name] not in node.hyperparams:
                     key = _TORCH_KEYS[name]
                 found.setdefault(key, []).append((i, name))
-        keys = {k: places[0] for k, places in found.items() if len(places) == 1}
-        ambiguous = frozenset(k for k, places in found.items() if len(places) > 1)
-        return GroupHyperparams(keys, ambiguous)
+        return GroupHyperparams({k: at[0] for k, at in found.items() if len(at) == 1})
 
     def values(self, state: OptState) -> dict[str, Any]:
         """The exposed keys and their current values in ``state``."""
