@@ -178,26 +178,26 @@ def inject_hyperparams(
         kwargs = _bind(factory, args, given)
         hyper = {k: v for k, v in kwargs.items() if not callable(v) and k not in static_names}
         static = {k: v for k, v in kwargs.items() if callable(v) or k in static_names}
-        cache: dict[Hashable, tuple[GradientTransformation, list[dict[str, Any]] | None]] = {}
+        Built = tuple[GradientTransformation, list[dict[str, Any]] | None]
+        base = factory(**static, **hyper)
+        # the injected transforms the factory builds inside (an alias in a chain), if any
+        deep = bool(injected_nodes(base.init([])))
+        cache: dict[Hashable, Built] = {}
 
-        def built(
-            values: dict[str, Any],
-        ) -> tuple[GradientTransformation, list[dict[str, Any]] | None]:
-            """The transform at ``values`` and its nested injected hyperparams (None: none)."""
+        def built(values: dict[str, Any]) -> Built:
+            """The transform at ``values`` and, when it holds injected transforms, their
+            hyperparams as it built them (see :func:`_forward`)."""
             key = _cache_key(values)
             if key is not None and key in cache:
                 return cache[key]
-            tx = factory(**static, **values)
-            nested = [dict(n.hyperparams) for n in injected_nodes(tx.init([]))] if deep else []
-            out = (tx, nested or None)
+            tx = base if values is hyper else factory(**static, **values)
+            nested = [dict(n.hyperparams) for n in injected_nodes(tx.init([]))] if deep else None
             if key is not None:
                 cache.clear()
-                cache[key] = out
-            return out
+                cache[key] = (tx, nested)
+            return tx, nested
 
-        deep = True  # look for nested injected transforms (only if the first build has some)
-        base, base_nested = built(hyper)
-        deep = base_nested is not None
+        built(hyper)  # seeds the cache with the first build
 
         def init(params: PyTree) -> InjectHyperparamsState:
             return InjectHyperparamsState(dict(hyper), base.init(params))
