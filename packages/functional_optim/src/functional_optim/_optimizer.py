@@ -12,6 +12,7 @@ from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState, apply_updates
 from functional_optim._group_hyperparams import GroupHyperparams
+from functional_optim._sharded_params import ShardedGroups
 from functional_optim._torch_state import (
     check_torch_state,
     from_torch_state,
@@ -102,6 +103,10 @@ class Optimizer(torch.optim.Optimizer):
     nothing when it does not fit (see there). ``self.state`` is refreshed from the transform
     state by ``state_dict()``.
 
+    DTensor params (FSDP2, tensor parallel): a group's fused step runs on the local shards as
+    plain tensors (the state stays DTensor outwardly); global and per-tensor norms add up the
+    shards with one collective (see :mod:`functional_optim._sharded_params`).
+
     Args:
         params: an iterable of tensors or of param-group dicts, as for torch optimizers.
         tx: the transform.
@@ -131,6 +136,7 @@ class Optimizer(torch.optim.Optimizer):
         # creates state then; Adagrad at construction)
         self._with_state: set[Tensor] = set()
         self._all_have_state = True
+        self._sharded = ShardedGroups()  # DTensor groups step their local shards
         empty = tx.init([])
         super().__init__(params, GroupHyperparams.of(empty).values(empty))
         self.state = _LiveState(self, self.state)
@@ -199,6 +205,8 @@ class Optimizer(torch.optim.Optimizer):
         transform states are rebuilt from it, not exported over it)."""
         super().__setstate__(state)
         self.state = _LiveState(self, self.state)
+        if "_sharded" not in self.__dict__:
+            self._sharded = ShardedGroups()
         self._state_stale = False
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -224,9 +232,12 @@ class Optimizer(torch.optim.Optimizer):
         for i, group in enumerate(self.param_groups):
             params: list[Tensor] = group["params"]
             state = self._synced(i, group)
+            local_step = self._sharded.prepared(i, params, state, fused)  # DTensor params
             if not self._all_have_state:
                 self._note_gradients(params)
-            if fused is not None:
+            if local_step is not None:
+                state = local_step()
+            elif fused is not None:
                 state = fused(params, [p.grad for p in params], state)
             else:
                 grads = [None if p.grad is None else p.grad.clone() for p in params]

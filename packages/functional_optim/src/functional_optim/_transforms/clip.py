@@ -20,6 +20,7 @@ from functional_optim._lists import (
     foreach_scaled,
 )
 from functional_optim._recipes import transform_factory
+from functional_optim._shard_context import owner_infos, sharded_global_norm, sharded_rms
 from functional_optim._transforms import _ops
 from functional_optim._transforms._stateless import stateless
 from functional_optim._tree import PyTree, global_norm, tree_flatten
@@ -75,9 +76,20 @@ def clip_by_block_rms(threshold: Scalar) -> GradientTransformation:
 
     def fn(u: Tensor) -> Tensor:
         rms = torch.sqrt(torch.mean(u * u))
+        return clipped(u, rms)
+
+    def clipped(u: Tensor, rms: Tensor) -> Tensor:
         return u / torch.clamp(rms / threshold, min=1.0)
 
-    return stateless(fn, "clip_by_block_rms", {"threshold": threshold})
+    def apply(updates: list[Tensor], state: OptState, view: LeafView) -> tuple[list[Tensor], Any]:
+        rms = sharded_rms(updates, view.params) if updates else None  # DTensor shards
+        if rms is None:
+            return [fn(u) for u in updates], state
+        return [clipped(u, r) for u, r in zip(updates, rms, strict=True)], state
+
+    update = stateless(fn, "clip_by_block_rms").update
+    lists = ListTransform("clip_by_block_rms", {"threshold": threshold}, apply, False)
+    return GradientTransformation(init_empty, update, lists=lists)
 
 
 @transform_factory
@@ -115,20 +127,20 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         return spec.unflatten(out), state
 
     def apply(updates: list[Tensor], state: OptState, view: LeafView) -> tuple[list[Tensor], Any]:
-        del view
         if not updates:
             return updates, state
-        coef = torch.clamp(max_norm / (foreach_global_norm(updates) + 1e-6), max=1.0)
+        total = foreach_global_norm(updates, view.params)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         foreach_scale(updates, coef)
         return updates, state
 
     def apply_pure(
         updates: list[Tensor], state: OptState, view: LeafView
     ) -> tuple[list[Tensor], Any]:
-        del view
         if not updates:
             return updates, state
-        coef = torch.clamp(max_norm / (foreach_global_norm(updates) + 1e-6), max=1.0)
+        total = foreach_global_norm(updates, view.params)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         return foreach_scaled(updates, coef), state
 
     lists = ListTransform(
@@ -137,13 +149,22 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     return GradientTransformation(init_empty, update, lists=lists)
 
 
-def foreach_global_norm(tensors: list[Tensor]) -> Tensor:
+def foreach_global_norm(tensors: list[Tensor], owners: list[Tensor] | None = None) -> Tensor:
     """:func:`functional_optim._tree.global_norm` with one ``_foreach_norm`` per device and
-    dtype (the same per-tensor norms, so the same number)."""
+    dtype (the same per-tensor norms, so the same number).
+
+    Args:
+        tensors: the tensors.
+        owners: the param each tensor belongs to; where they are DTensor shards (the shard
+            context of ``fo.Optimizer``), the norm is that of the whole DTensors.
+    """
     norms: list[Tensor] = [torch.empty(0)] * len(tensors)
     for group in by_device_dtype(tensors):
         for i, n in zip(group, torch._foreach_norm([tensors[i] for i in group], 2.0), strict=True):
             norms[i] = n
+    infos = None if owners is None else owner_infos(owners)
+    if infos is not None:
+        return sharded_global_norm(norms, infos)
     first = norms[0].device
     if any(n.device != first for n in norms):
         norms = [n.to(first) for n in norms]

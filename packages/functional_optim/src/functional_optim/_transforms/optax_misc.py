@@ -18,6 +18,7 @@ from torch import Tensor
 from functional_optim._base import GradientTransformation, OptState, UpdateFn, init_empty
 from functional_optim._lists import LeafView, ListTransform, foreach_scaled
 from functional_optim._recipes import transform_factory
+from functional_optim._shard_context import sharded_norms
 from functional_optim._transforms import _ops
 from functional_optim._transforms._leaf import debias as debias_moment
 from functional_optim._transforms._leaf import moment, safe_norm, store
@@ -141,16 +142,28 @@ def scale_by_trust_ratio(
     """
 
     def fn(u: Tensor, p: Tensor) -> Tensor:
-        p_norm = safe_norm(p, float(min_norm))
-        u_norm = safe_norm(u, float(min_norm))
+        return scaled(u, safe_norm(p, float(min_norm)), safe_norm(u, float(min_norm)))
+
+    def scaled(u: Tensor, p_norm: Tensor, u_norm: Tensor) -> Tensor:
         ratio = trust_coefficient * p_norm / (u_norm + eps)
         zero = torch.logical_or(p_norm == 0, u_norm == 0)
         return u * torch.where(zero, torch.ones_like(ratio), ratio)
 
     name = "scale_by_trust_ratio"
-    return GradientTransformation(
-        init_empty, _with_params(fn, name), lists=_with_params_lists(fn, name)
-    )
+    local = _with_params_lists(fn, name)
+
+    def apply(updates: list[Tensor], state: OptState, view: LeafView) -> tuple[list[Tensor], Any]:
+        n, low = len(updates), float(min_norm)
+        norms = sharded_norms([*view.params, *updates], [*view.params] * 2) if n else None
+        if norms is None:  # not DTensor shards
+            return local.apply(updates, state, view)
+        safe = [
+            x if low == 0.0 else torch.where(x <= low, torch.full_like(x, low), x) for x in norms
+        ]
+        return [scaled(u, safe[k], safe[n + k]) for k, u in enumerate(updates)], state
+
+    lists = local._replace(apply=apply)
+    return GradientTransformation(init_empty, _with_params(fn, name), lists=lists)
 
 
 @transform_factory
