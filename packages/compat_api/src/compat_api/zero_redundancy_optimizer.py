@@ -25,6 +25,13 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
+from compat_api._zero.dcp_native import (
+    ZeroState,
+    dcp_state_dict,
+    load_named_state_dict,
+    mark_has_state,
+    uses_param_names,
+)
 from compat_api._zero.extensions import ShardedExtensions
 from compat_api._zero.functional import functional_constructor
 from compat_api._zero.join import ZeroJoinHook
@@ -40,6 +47,7 @@ from compat_api._zero.validation import (
     check_saved_groups,
     flatten_params,
 )
+from dist_runtime.dcp_optimizer_state import called_by_dcp_get
 from dist_runtime.process_group import group_rank, group_size, resolve_group
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -140,6 +148,7 @@ class ZeroRedundancyOptimizer(TorchPrivateAPI, ShardedExtensions, Optimizer, Joi
         # Optimizer.__init__ calls add_param_group: until `initialized`, that only registers.
         self.initialized = False
         Optimizer.__init__(self, params, defaults)
+        self.state = ZeroState(self, self.state)  # what DSD reads (see _zero/dcp_native.py)
         Joinable.__init__(self)
 
         self.process_group: Any = group
@@ -221,6 +230,7 @@ class ZeroRedundancyOptimizer(TorchPrivateAPI, ShardedExtensions, Optimizer, Joi
         """
         if gradients is not None and self.strategy.takes_gradients:
             self.strategy.gradient_step(self, gradients, closure)
+            mark_has_state(self)
             return None
         Join.notify_join_context(self)
         self._refresh_trainable()
@@ -228,7 +238,9 @@ class ZeroRedundancyOptimizer(TorchPrivateAPI, ShardedExtensions, Optimizer, Joi
             raise AssertionError(
                 "Specifying `gradients` should not be used when `overlap_with_ddp=False`"
             )
-        return self.strategy.local_step(self, closure, kwargs)  # type: ignore[no-any-return]
+        loss: float | None = self.strategy.local_step(self, closure, kwargs)
+        mark_has_state(self)
+        return loss
 
     def _refresh_trainable(self) -> None:
         """Rebuild what depends on ``requires_grad`` (the buckets) if it changed."""
@@ -317,10 +329,18 @@ class ZeroRedundancyOptimizer(TorchPrivateAPI, ShardedExtensions, Optimizer, Joi
     def state_dict(self) -> dict[str, Any]:
         """The global optimizer state as of the last :meth:`consolidate_state_dict` to this rank.
 
+        Called by ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` (on
+        every rank), it returns this rank's share instead, unconsolidated (see
+        :mod:`compat_api._zero.dcp_native`).
+
         Raises:
             RuntimeError: if the state was not consolidated on this rank (torch's message).
         """
         self.strategy.check_ready()
+        # DSD calls state_dict() exactly as a user does: only its caller tells them apart
+        # (why a look at the stack, and not DSD's `_patched_state_dict`: see called_by_dcp_get).
+        if called_by_dcp_get():
+            return dcp_state_dict(self, self.strategy)
         if not self._all_state_dicts:
             raise RuntimeError(
                 "Optimizer state has not been consolidated on this rank. "
@@ -336,7 +356,9 @@ class ZeroRedundancyOptimizer(TorchPrivateAPI, ShardedExtensions, Optimizer, Joi
         optimizer's own ``load_state_dict`` (torch writes ``optim.state`` directly instead), so
         optimizers that keep their state elsewhere, such as ``functional_optim.Optimizer``, load
         it too; for ``torch.optim`` optimizers the loaded values are the same as torch's. Unlike
-        torch, the argument is not modified.
+        torch, the argument is not modified. A dict whose params are names (what
+        ``set_optimizer_state_dict`` passes) is this rank's share of a DCP checkpoint: each rank
+        loads the pieces it owns (see :mod:`compat_api._zero.dcp_native`).
 
         Args:
             state_dict: the global optimizer state.
@@ -349,6 +371,9 @@ class ZeroRedundancyOptimizer(TorchPrivateAPI, ShardedExtensions, Optimizer, Joi
                 anything is loaded).
         """
         self.strategy.check_ready()
+        if uses_param_names(state_dict):
+            load_named_state_dict(self, self.strategy, state_dict)
+            return
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
@@ -364,3 +389,4 @@ class ZeroRedundancyOptimizer(TorchPrivateAPI, ShardedExtensions, Optimizer, Joi
         super().load_state_dict({**state_dict, "state": kept})
         sync_param_groups(saved_groups, self.param_groups)
         sync_param_groups(self.param_groups, self.optim.param_groups)
+        mark_has_state(self)

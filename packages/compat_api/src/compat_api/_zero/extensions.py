@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from compat_api._zero.dcp_native import mark_has_state
 from compat_api._zero.layout import sync_param_groups
 from compat_api._zero.strategy import ZeroStrategy
 from dist_runtime.dcp_state import load_shard_state_dict, shard_state_dict
@@ -107,6 +108,7 @@ class ShardedExtensions:
         self.strategy.check_ready()
         load_shard_state_dict(self.optim, self._pieces(), state_dict)
         sync_param_groups(self.optim.param_groups, self.param_groups)
+        mark_has_state(self)
 
     def save_sharded(self, root: str, extra: dict[str, Any] | None = None) -> str:
         """Write this rank's optimizer shard with torch.distributed.checkpoint (all ranks).
@@ -145,3 +147,4 @@ class ShardedExtensions:
         """
         load_optimizer_shards(root, self.optim, self._pieces(), self.process_group, extra)
         sync_param_groups(self.optim.param_groups, self.param_groups)
+        mark_has_state(self)
