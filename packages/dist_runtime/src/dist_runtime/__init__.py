@@ -7,6 +7,8 @@ talk to torch.distributed wrap its collectives, RPC and checkpointing behind sma
 
 from dist_runtime import (
     averaging,
+    backward_step,
+    backward_step_wrappers,
     buckets,
     collective_failure,
     compression,
@@ -31,6 +33,7 @@ from dist_runtime import (
     streaming_consolidation,
 )
 from dist_runtime.averaging import FlatParameterCache, average_parameters, params_to_average
+from dist_runtime.backward_step import OptimizerInBackward, optimizer_in_backward
 from dist_runtime.collective_failure import CollectiveFailedError, collective_guard
 from dist_runtime.cost_partition import balanced_cost_partition, cost_balanced_planner
 from dist_runtime.flat_partition import FlatLayout, plan_flat_layout
@@ -61,12 +64,15 @@ __all__ = [
     "FlatLayout",
     "FlatParameterCache",
     "FlatShards",
+    "OptimizerInBackward",
     "OptimizerSnapshot",
     "ShardBroadcaster",
     "UnsafeCheckpointError",
     "all_gather_objects",
     "average_parameters",
     "averaging",
+    "backward_step",
+    "backward_step_wrappers",
     "balanced_cost_partition",
     "broadcast_object",
     "buckets",
@@ -90,6 +96,7 @@ __all__ = [
     "hierarchy",
     "latest_checkpoint",
     "load_optimizer_shards",
+    "optimizer_in_backward",
     "outer_sync",
     "param_sync",
     "params_to_average",
