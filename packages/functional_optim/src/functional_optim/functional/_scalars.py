@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from functional_optim.functional._local_shards import check_local_step, has_dtensor, local_tensors
 from functional_optim.functional._state import step_dtype
 
 
@@ -64,7 +65,8 @@ def gather_with_scalars(
 
     Returns:
         ``(params_with_grad, grads, scalars, buffers, steps)``; ``scalars[j]`` lists the
-        ``scalar_keys[j]`` tensors and ``buffers[j]`` the ``keys[j]`` tensors.
+        ``scalar_keys[j]`` tensors and ``buffers[j]`` the ``keys[j]`` tensors. DTensor params,
+        gradients and buffers are returned as their local tensors (eager mode).
     """
     params_with_grad: List[Tensor] = []
     grads: List[Tensor] = []
@@ -83,4 +85,9 @@ def gather_with_scalars(
             for j in range(len(keys)):
                 buffers[j].append(entry[keys[j]])
             steps.append(entry["step"])
+    if not torch.jit.is_scripting() and has_dtensor(params_with_grad):  # type: ignore[attr-defined]
+        check_local_step(params_with_grad, grads, "functional optimizer")
+        params_with_grad = local_tensors(params_with_grad)
+        grads = local_tensors(grads)
+        buffers = [local_tensors(b) for b in buffers]
     return params_with_grad, grads, scalars, buffers, steps

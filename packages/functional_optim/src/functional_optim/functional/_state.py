@@ -35,6 +35,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from functional_optim.functional._local_shards import check_local_step, has_dtensor, local_tensors
 from functional_optim.kernels._dispatch import resolve_impl
 
 
@@ -114,7 +115,8 @@ def gather(
 
     Returns:
         ``(params_with_grad, grads, buffers, steps)``; ``buffers[j]`` lists the ``keys[j]``
-        tensors in order and ``steps`` is empty when ``with_step`` is False.
+        tensors in order and ``steps`` is empty when ``with_step`` is False. DTensor params,
+        gradients and buffers are returned as their local tensors (eager mode).
     """
     params_with_grad: List[Tensor] = []
     grads: List[Tensor] = []
@@ -131,6 +133,11 @@ def gather(
                 buffers[j].append(entry[keys[j]])
             if with_step:
                 steps.append(entry["step"])
+    if not torch.jit.is_scripting() and has_dtensor(params_with_grad):  # type: ignore[attr-defined]
+        check_local_step(params_with_grad, grads, "functional optimizer")
+        params_with_grad = local_tensors(params_with_grad)
+        grads = local_tensors(grads)
+        buffers = [local_tensors(b) for b in buffers]
     return params_with_grad, grads, buffers, steps
 
 

@@ -7,6 +7,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from functional_optim.functional._local_shards import refuse_sharded
 from functional_optim.functional._scripting import prepare_class
 from functional_optim.functional._state import (
     check_lengths,
@@ -105,6 +106,8 @@ class FunctionalAdafactor:
         """
         params = self.param_group["params"]
         check_lengths(params, gradients)
+        if not torch.jit.is_scripting():  # type: ignore[attr-defined]
+            refuse_sharded(params, "Adafactor")
         params_with_grad: List[Tensor] = []
         grads: List[Tensor] = []
         row_vars: List[Optional[Tensor]] = []

@@ -7,6 +7,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from functional_optim.functional._local_shards import refuse_sharded
 from functional_optim.functional._scripting import prepare_class
 from functional_optim.functional._state import check_lengths, gather, make_param_group
 from functional_optim.kernels.muon import muon_single
@@ -87,6 +88,8 @@ class FunctionalMuon:
         """
         params = self.param_group["params"]
         check_lengths(params, gradients)
+        if not torch.jit.is_scripting():  # type: ignore[attr-defined]
+            refuse_sharded(params, "Muon")
         params_with_grad, grads, buffers, _ = gather(
             self.state, params, gradients, ["momentum_buffer"], [0.0], False, False
         )

@@ -9,6 +9,13 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor
 
+from functional_optim.functional._local_shards import (
+    check_local_step,
+    has_dtensor,
+    local_optional,
+    local_tensors,
+    wrap_like,
+)
 from functional_optim.functional._scripting import prepare_class
 from functional_optim.functional._state import (
     check_lengths,
@@ -90,6 +97,12 @@ class FunctionalSGD:
                 grads.append(grad)
                 states.append(entry)
                 bufs.append(entry.get("momentum_buffer"))
+        owners = params_with_grad
+        if not torch.jit.is_scripting() and has_dtensor(params_with_grad):  # type: ignore[attr-defined]
+            check_local_step(params_with_grad, grads, "SGD")
+            params_with_grad = local_tensors(params_with_grad)
+            grads = local_tensors(grads)
+            bufs = local_optional(bufs)
         impl = self._impl
         if impl == "fused" and not self.fused and has_sparse(grads):
             impl = "single"  # auto picked fused, but it cannot take sparse gradients
@@ -110,6 +123,8 @@ class FunctionalSGD:
         for i in range(len(states)):
             buf = bufs[i]
             if buf is not None:
+                if not torch.jit.is_scripting():  # type: ignore[attr-defined]
+                    buf = wrap_like(buf, owners[i])
                 states[i]["momentum_buffer"] = buf
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
