@@ -14,27 +14,26 @@ from typing import Any
 
 import pytest
 import torch
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from functional_optim import functional as F
+from functional_optim import functional as fn
 from tests._world import World
 
 WIDTHS = (8, 5, 6)  # odd sizes: FSDP2 shards of unequal length
 
 CASES: dict[str, Callable[[list[torch.Tensor]], Any]] = {
-    "adam": lambda ps: F.FunctionalAdam(ps, lr=1e-2, weight_decay=0.01),
-    "adamw_amsgrad": lambda ps: F.FunctionalAdamW(ps, lr=1e-2, amsgrad=True),
-    "sgd_momentum": lambda ps: F.FunctionalSGD(ps, lr=0.1, momentum=0.9, foreach=True),
-    "sgd_single": lambda ps: F.FunctionalSGD(ps, lr=0.1, momentum=0.9, nesterov=True),
-    "adagrad": lambda ps: F.FunctionalAdagrad(ps, lr=0.1),
-    "rmsprop": lambda ps: F.FunctionalRMSprop(ps, lr=1e-2, momentum=0.5),
-    "rprop": lambda ps: F.FunctionalRprop(ps, lr=1e-2),
-    "adadelta": lambda ps: F.FunctionalAdadelta(ps, lr=1.0),
-    "adamax": lambda ps: F.FunctionalAdamax(ps, lr=1e-2),
-    "nadam": lambda ps: F.FunctionalNAdam(ps, lr=1e-2),
-    "radam": lambda ps: F.FunctionalRAdam(ps, lr=1e-2),
-    "asgd": lambda ps: F.FunctionalASGD(ps, lr=1e-2),
+    "adam": lambda ps: fn.FunctionalAdam(ps, lr=1e-2, weight_decay=0.01),
+    "adamw_amsgrad": lambda ps: fn.FunctionalAdamW(ps, lr=1e-2, amsgrad=True),
+    "sgd_momentum": lambda ps: fn.FunctionalSGD(ps, lr=0.1, momentum=0.9, foreach=True),
+    "sgd_single": lambda ps: fn.FunctionalSGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+    "adagrad": lambda ps: fn.FunctionalAdagrad(ps, lr=0.1),
+    "rmsprop": lambda ps: fn.FunctionalRMSprop(ps, lr=1e-2, momentum=0.5),
+    "rprop": lambda ps: fn.FunctionalRprop(ps, lr=1e-2),
+    "adadelta": lambda ps: fn.FunctionalAdadelta(ps, lr=1.0),
+    "adamax": lambda ps: fn.FunctionalAdamax(ps, lr=1e-2),
+    "nadam": lambda ps: fn.FunctionalNAdam(ps, lr=1e-2),
+    "radam": lambda ps: fn.FunctionalRAdam(ps, lr=1e-2),
+    "asgd": lambda ps: fn.FunctionalASGD(ps, lr=1e-2),
 }
 
 
@@ -98,7 +97,7 @@ def _check_case(rank: int, world_size: int, name: str) -> list[str]:
 def _check_against_torch(rank: int, world_size: int) -> list[str]:
     """FunctionalAdamW (torch's fused kernel on CPU) vs torch.optim.AdamW(fused) on FSDP2."""
     ours, theirs = _fsdp_model(), _fsdp_model()
-    functional = F.FunctionalAdamW(list(ours.parameters()), lr=1e-2, weight_decay=0.1)
+    functional = fn.FunctionalAdamW(list(ours.parameters()), lr=1e-2, weight_decay=0.1)
     torch_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     for step in range(3):
         for model in (ours, theirs):
@@ -123,8 +122,8 @@ def _check_refusals(rank: int, world_size: int) -> list[str]:
     messages = []
     matrices = [p for p in params if p.dim() == 2]
     for make in (
-        lambda: F.FunctionalMuon(matrices),
-        lambda: F.FunctionalAdafactor(params),
+        lambda: fn.FunctionalMuon(matrices),
+        lambda: fn.FunctionalAdafactor(params),
     ):
         opt = make()
         grads = [p.grad for p in opt.param_group["params"]]
@@ -133,7 +132,7 @@ def _check_refusals(rank: int, world_size: int) -> list[str]:
         messages.append(str(info.value))
         if opt.state:
             messages.append("state was created before the refusal")
-    adam = F.FunctionalAdam(params)
+    adam = fn.FunctionalAdam(params)
     with pytest.raises(TypeError, match="param 0 is a DTensor but its gradient is a plain"):
         adam.step([p.grad._local_tensor for p in params])  # type: ignore[union-attr]
     changed = [
