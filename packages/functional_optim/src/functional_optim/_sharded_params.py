@@ -26,28 +26,24 @@ from torch import Tensor
 
 from functional_optim._base import OptState, StepFn
 from functional_optim._shard_context import ShardInfo, shard_context
+from functional_optim._sharded_adafactor import check_row_placements
+from functional_optim._sharded_matrix import check_muon_placements, outer_params
 from functional_optim._transforms.adafactor import ScaleByAdafactorState
-from functional_optim._transforms.apply_if_finite import ApplyIfFiniteState
 from functional_optim._transforms.lbfgs import LbfgsState
-from functional_optim._transforms.multi_steps import MultiStepsState
 from functional_optim._transforms.muon import ScaleByMuonState
-from functional_optim._transforms.optax_layerwise import ScaleByNovogradState, ScaleBySM3State
-from functional_optim._transforms.optax_misc import ZeroNansState
+from functional_optim._transforms.optax_layerwise import ScaleBySM3State
 from functional_optim._tree import NAMESPACE, NONE_IS_LEAF
 
 __all__ = ["ShardedGroups", "is_dtensor"]
 
-#: States of maths that reads whole tensors (factored or per-tensor statistics, finiteness
-#: flags) that the local step cannot compute on shards: a sharded param raises instead.
+#: States of maths that reads whole tensors (factored or per-tensor statistics) that the local
+#: step cannot compute on shards: a sharded param raises instead. (apply_if_finite, zero_nans
+#: and skip_not_finite finish their flags over the shards: :mod:`functional_optim._sharded_flags`.)
 _WHOLE_TENSOR_STATES: tuple[type, ...] = (
-    ScaleByAdafactorState,
-    ScaleByMuonState,
-    ScaleByNovogradState,
-    ScaleBySM3State,
+    ScaleByAdafactorState,  # but a local (fused) step: sharded sums (_sharded_adafactor)
+    ScaleByMuonState,  # but fo.muon's fused step: one owner rank per matrix (_sharded_matrix)
+    ScaleBySM3State,  # but a local (fused) step: max over the shards (scale_by_sm3)
     LbfgsState,
-    ApplyIfFiniteState,
-    MultiStepsState,
-    ZeroNansState,
 )
 
 _Pair = tuple[Any, Any]
@@ -75,8 +71,11 @@ def _shard_dims(placements: tuple[Any, ...], where: str) -> frozenset[int]:
     return frozenset(dims)
 
 
-def _check_group(i: int, params: list[Any], state: OptState) -> dict[int, ShardInfo] | None:
-    """Validate a group; None when it has no DTensor. Returns ``id(local param) -> info``."""
+def _check_group(
+    i: int, params: list[Any], state: OptState, fused: bool
+) -> dict[int, ShardInfo] | None:
+    """Validate a group; None when it has no DTensor. Returns ``id(local param) -> info``.
+    A fused Muon step (``fo.muon``) orthogonalises sharded matrices on owner ranks."""
     flags = [is_dtensor(p) for p in params]
     if not any(flags):
         return None
@@ -96,7 +95,21 @@ def _check_group(i: int, params: list[Any], state: OptState) -> dict[int, ShardI
                 "must use one device mesh"
             )
         infos[id(p._local_tensor)] = ShardInfo(mesh, _shard_dims(p.placements, where), p.numel())
-    whole = [type(n).__name__ for n in _nodes(state) if isinstance(n, _WHOLE_TENSOR_STATES)]
+    nodes = _nodes(state)
+    muon = fused and any(isinstance(n, ScaleByMuonState) for n in nodes)
+    if muon:
+        check_muon_placements(i, params)
+    # Adafactor and SM3 finish their statistics over FSDP2 row shards in a local step
+    rows = tuple(t for t in (ScaleByAdafactorState, ScaleBySM3State) if fused and _has(nodes, t))
+    for kind in rows:
+        check_row_placements(i, params, "Adafactor" if kind is ScaleByAdafactorState else "SM3")
+    whole = [
+        type(n).__name__
+        for n in nodes
+        if isinstance(n, _WHOLE_TENSOR_STATES)
+        and not (muon and isinstance(n, ScaleByMuonState))
+        and not isinstance(n, rows)
+    ]
     sharded = [k for k, p in enumerate(params) if infos[id(p._local_tensor)].shard_dims]
     if whole and sharded:
         raise ValueError(
@@ -104,6 +117,10 @@ def _check_group(i: int, params: list[Any], state: OptState) -> dict[int, ShardI
             "tensors (factored or per-tensor statistics); fo.Optimizer can't step it on shards"
         )
     return infos
+
+
+def _has(nodes: list[Any], kind: type) -> bool:
+    return any(isinstance(n, kind) for n in nodes)
 
 
 def _children(node: Any) -> tuple[list[Any], Callable[[list[Any]], Any]] | None:
@@ -218,6 +235,7 @@ class _GroupCache:
     def __init__(self, params: list[Tensor], infos: dict[int, ShardInfo]) -> None:
         self.local_params = [p._local_tensor for p in params]  # type: ignore[attr-defined]
         self.infos = infos
+        self.outer = {id(p._local_tensor): p for p in params}  # type: ignore[attr-defined]
         self.converter = _Converter(params, self.local_params)
 
 
@@ -228,7 +246,9 @@ class ShardedGroups:
         self._caches: dict[int, _GroupCache | None] = {}
         self._params: dict[int, tuple[list[Tensor], int]] = {}
 
-    def _cache(self, i: int, params: list[Tensor], state: OptState) -> _GroupCache | None:
+    def _cache(
+        self, i: int, params: list[Tensor], state: OptState, fused: bool
+    ) -> _GroupCache | None:
         known = self._params.get(i)
         if known is not None and known[0] is params and known[1] == len(params):
             cache = self._caches[i]
@@ -239,7 +259,7 @@ class ShardedGroups:
                 map(operator.is_, local, cache.local_params)
             ):
                 return cache
-        infos = _check_group(i, params, state)
+        infos = _check_group(i, params, state, fused)
         cache = None if infos is None else _GroupCache(params, infos)
         self._caches[i], self._params[i] = cache, (params, len(params))
         return cache
@@ -261,11 +281,12 @@ class ShardedGroups:
         Raises:
             ValueError: DTensor and plain params in one group, params on different meshes,
                 a placement other than Shard / Replicate, a sharded param under a transform
-                that needs whole tensors (Adafactor, Muon, ...), a gradient whose placements
-                differ from its param's.
+                that needs whole tensors (Adafactor, a Muon without its fused step, ...), a
+                fused Muon step on a param other than ``Shard(0)`` on a 1-D mesh, a gradient
+                whose placements differ from its param's.
             TypeError: a plain gradient on a DTensor param.
         """
-        cache = self._cache(i, params, state)
+        cache = self._cache(i, params, state, fused is not None)
         if cache is None or fused is None:
             return None
         grads = _local_grads(i, params)
@@ -273,7 +294,7 @@ class ShardedGroups:
         def run() -> OptState:
             converter = cache.converter
             local_state = converter.to_local(state)
-            with shard_context(cache.infos):
+            with shard_context(cache.infos), outer_params(cache.outer):
                 new_local = fused(cache.local_params, grads, local_state)
             outer = converter.to_outer(new_local)
             if converter.grown():

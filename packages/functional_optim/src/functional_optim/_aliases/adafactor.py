@@ -8,6 +8,7 @@ from functional_optim._aliases import _kernel_step
 from functional_optim._aliases._common import kernel_path, maximize_tx
 from functional_optim._base import GradientTransformation, chain
 from functional_optim._recipes import transform_factory
+from functional_optim._sharded_adafactor import shards_adafactor
 from functional_optim._transforms._leaf import is_traced
 from functional_optim._transforms.adafactor import (
     scale_by_adafactor,
@@ -60,17 +61,20 @@ def _build_adafactor(
         scale_by_adafactor(rate, beta2_decay, eps, d),
         add_decayed_weights(decay),  # decoupled: param *= 1 - lr * wd
     )
-    return _kernel_step.fused(
+    # the registered kernel, wrapped to step FSDP2 row shards with sharded statistics
+    return _kernel_step.with_kernel(
         tx,
-        "adafactor",
-        path=kernel_path("adafactor", foreach=foreach),
-        lr=lr,
-        beta2_decay=beta2_decay,
-        eps1=eps[0],
-        eps2=eps[1],
-        d=d,
-        weight_decay=weight_decay,
-        maximize=maximize,
+        shards_adafactor(_kernel_step.SPECS["adafactor"]),
+        {
+            "lr": lr,
+            "beta2_decay": beta2_decay,
+            "eps1": eps[0],
+            "eps2": eps[1],
+            "d": d,
+            "weight_decay": weight_decay,
+            "maximize": maximize,
+        },
+        kernel_path("adafactor", foreach=foreach),
     )
 
 

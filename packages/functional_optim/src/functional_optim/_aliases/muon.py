@@ -14,6 +14,7 @@ from functional_optim._aliases._common import (
 from functional_optim._aliases._kernel_step import LR, SPECS, KernelSpec, fused, with_kernel
 from functional_optim._base import GradientTransformation, chain
 from functional_optim._recipes import transform_factory
+from functional_optim._sharded_matrix import shards_matrices
 from functional_optim._transforms._leaf import is_traced
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.muon import (
@@ -89,17 +90,22 @@ def _build_muon(
         add_decayed_weights(weight_decay),
         scale_by_learning_rate(lr),
     )
-    return fused_tensor_lr(
+    # the registered kernel, wrapped to step FSDP2-sharded matrices on one owner rank each
+    tensor_lr = isinstance(lr, Tensor) and not is_traced(lr)
+    spec = _tensor_lr_spec("muon") if tensor_lr else SPECS["muon"]
+    return with_kernel(
         tx,
-        "muon",
-        lr=lr,
-        weight_decay=weight_decay,
-        momentum=momentum,
-        nesterov=nesterov,
-        ns_coefficients=tuple(ns_coefficients),
-        eps=eps,
-        ns_steps=ns_steps,
-        adjust_lr_fn=adjust_lr_fn,
+        shards_matrices(spec),
+        {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": tuple(ns_coefficients),
+            "eps": eps,
+            "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn,
+        },
     )
 
 

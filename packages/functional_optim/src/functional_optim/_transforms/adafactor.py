@@ -9,6 +9,8 @@ from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState
 from functional_optim._recipes import transform_factory
+from functional_optim._shard_context import ShardInfo, owner_infos
+from functional_optim._sharded_adafactor import sharded_directions, state_zeros
 from functional_optim._transforms import _ops
 from functional_optim._transforms._leafwise import leafwise_lists
 from functional_optim._tree import PyTree, tree_flatten
@@ -57,8 +59,8 @@ def _factors(params: PyTree) -> tuple[PyTree, PyTree, PyTree]:
     for p in leaves:
         row = None if p is None else row_var_shape(p.shape)
         col = None if p is None else col_var_shape(p.shape)
-        rows.append(None if row is None else p.new_zeros(row))
-        cols.append(None if col is None else p.new_zeros(col))
+        rows.append(None if row is None else state_zeros(p, row, True))
+        cols.append(None if col is None else state_zeros(p, col, p.dim() > 2))
         full.append(None if p is None or row is not None else torch.zeros_like(p))
     return spec.unflatten(rows), spec.unflatten(cols), spec.unflatten(full)
 
@@ -76,6 +78,16 @@ def check_real(params: list[Tensor], grads: list[Tensor | None]) -> None:
             raise RuntimeError("Adafactor does not support complex parameters")
         if g.is_sparse:
             raise RuntimeError("Adafactor does not support sparse gradients")
+
+
+def _sharded_leaves(ps: list[Tensor], grads: list[Tensor | None]) -> dict[int, ShardInfo]:
+    """The leaves with a gradient whose params are DTensor shards in ``fo.Optimizer``'s local
+    step (the shard context), with their :class:`ShardInfo`; empty outside it."""
+    active = [i for i, g in enumerate(grads) if g is not None]
+    infos = owner_infos([ps[i] for i in active])
+    if infos is None:
+        return {}
+    return {i: info for i, info in zip(active, infos, strict=True) if info.shard_dims}
 
 
 def _lerp(x: Tensor, end: Tensor, weight: Tensor, inplace: bool) -> Tensor:
@@ -127,9 +139,10 @@ def scale_by_adafactor(
             updates, params, state.count, state.row_var, state.col_var, state.variance
         )
         check_real(ps, leaves)
+        sharded = _sharded_leaves(ps, leaves)
         out: list[Tensor | None] = []
         for i, g in enumerate(leaves):
-            if g is None:
+            if g is None or i in sharded:  # FSDP2 shards: below, with collectives
                 out.append(None)
                 continue
             p = ps[i]
@@ -154,6 +167,21 @@ def scale_by_adafactor(
             )
             scale = -alpha / torch.clamp(ratio, min=1.0)
             out.append(direction * _ops.like(scale, direction))
+        if sharded:
+            for column in (counts, rows, cols, full):  # sharded_directions writes in place
+                for i in sharded:
+                    buf = column[i]
+                    if buf is not None and not inplace:
+                        column[i] = buf.clone()
+            k = list(sharded)
+            floors = [_machine_eps(ps[i].dtype) if eps1 is None else eps1 for i in k]
+            directions, sizes = sharded_directions(
+                [ps[i] for i in k], [leaves[i] for i in k], [rows[i] for i in k],
+                [cols[i] for i in k], [full[i] for i in k], [counts[i] for i in k],
+                list(sharded.values()), d, float(lr), beta2_decay, floors, eps2,
+            )  # fmt: skip
+            for i, direction, size in zip(k, directions, sizes, strict=True):
+                out[i] = direction * size
         columns = (counts, rows, cols, full)
         return spec.unflatten(out), ScaleByAdafactorState(*(spec.unflatten(c) for c in columns))
 

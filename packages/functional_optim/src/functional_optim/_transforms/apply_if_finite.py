@@ -4,7 +4,9 @@ optax decides with ``lax.cond``; here the decision is a Python branch on a 0-d s
 (one host read per step), which gives the same numbers and keeps the in-place path from touching
 the inner state when a step is rejected. ``apply_if_finite`` also works under
 ``torch.func.vmap`` when the finiteness differs across the batch: the pure path then selects
-between the inner result and the old state with ``torch.where``.
+between the inner result and the old state with ``torch.where``. On DTensor shards (FSDP2,
+tensor parallel) the in-place paths decide for the whole tensors: one all-reduce of the flag,
+so a NaN on one rank's shard makes every rank skip.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from functional_optim._lists import (
     pure_apply_all,
 )
 from functional_optim._recipes import transform_factory
+from functional_optim._sharded_flags import any_over_shards
 from functional_optim._transforms._leaf import is_traced
 from functional_optim._tree import PyTree, tree_flatten, tree_zeros_like
 
@@ -72,6 +75,13 @@ def all_finite_lists(tensors: list[Tensor], consumed: bool) -> Tensor:
     flags.extend(torch.isfinite(t).all() for t in rest)
     device = flags[0].device
     return torch.stack([f.to(device) for f in flags]).all()
+
+
+def _on_every_rank(finite: Tensor, view: LeafView) -> Tensor:
+    """``finite`` for the whole DTensors when the params are local shards (one all-reduce of
+    the flag, so that every rank takes or skips the step together); else ``finite`` itself."""
+    anywhere = any_over_shards(~finite, view.params)
+    return finite if anywhere is None else ~anywhere
 
 
 def _zeros(updates: PyTree) -> PyTree:
@@ -160,7 +170,8 @@ def apply_if_finite(
         otherwise params and inner state stay as they are."""
         assert inner.step is not None
         view = LeafView(params, grads)
-        finite = all_finite_lists(view.grads, consumed=True).to(state.notfinite_count.device)
+        finite = all_finite_lists(view.grads, consumed=True)
+        finite = _on_every_rank(finite, view).to(state.notfinite_count.device)
         count, total, accept = decide(finite, state)
         inner_state = state.inner_state
         if bool(accept):
@@ -174,7 +185,8 @@ def apply_if_finite(
 
     def apply(updates: list[Tensor], state: OptState, view: LeafView) -> tuple[list[Tensor], Any]:
         assert inner.lists is not None
-        finite = all_finite_lists(updates, consumed=True).to(state.notfinite_count.device)
+        finite = all_finite_lists(updates, consumed=True)
+        finite = _on_every_rank(finite, view).to(state.notfinite_count.device)
         count, total, accept = decide(finite, state)
         inner_state = state.inner_state
         if bool(accept):

@@ -16,6 +16,7 @@ from torch import Tensor
 from functional_optim._base import GradientTransformation, OptState, apply_updates
 from functional_optim._lists import LeafView
 from functional_optim._recipes import record
+from functional_optim._sharded_flags import summed_over_shards_of
 from functional_optim._tree import PyTree, tree_flatten, tree_zeros_like
 
 __all__ = ["MultiSteps", "MultiStepsState", "skip_not_finite"]
@@ -33,14 +34,21 @@ def skip_not_finite(
     Args:
         updates: the incoming updates.
         gradient_step: the number of inner steps taken so far (unused).
-        params: the params (unused).
+        params: the params (on DTensor shards stepped by ``fo.Optimizer``, the local params:
+            the counts are then those of the whole tensors, the same on every rank).
 
     Returns:
         ``(should_skip, {"should_skip": ..., "num_not_finite": ...})`` (0-d tensors).
     """
-    del gradient_step, params
-    counts = [(~torch.isfinite(u)).sum() for u in tree_flatten(updates)[0] if u is not None]
+    del gradient_step
+    leaves, spec = tree_flatten(updates)
+    owners: list[Any] = [] if params is None else spec.flatten_up_to(params)
+    counts = [(~torch.isfinite(u)).sum() for u in leaves if u is not None]
     num = torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.int64)
+    if owners and counts:  # on DTensor shards: the counts of the whole tensors (one all-reduce)
+        mine = [p for u, p in zip(leaves, owners, strict=True) if u is not None]
+        whole = summed_over_shards_of(torch.stack(counts), mine)
+        num = num if whole is None else whole.sum()
     skip = num > 0
     return skip, {"should_skip": skip, "num_not_finite": num}
 
@@ -69,6 +77,8 @@ class MultiSteps:
         use_grad_mean: average the gradients (else sum them).
         should_skip_update_fn: ``fn(updates, gradient_step, params) -> (skip, skip_state)``;
             a skipped call leaves the accumulation untouched (e.g. :func:`skip_not_finite`).
+            On DTensor params ``fo.Optimizer`` passes it the local shards: the decision must
+            be the same on every rank (:func:`skip_not_finite` makes it so).
         accumulator_dtype: dtype of the accumulated gradients (``acc_grads``), e.g.
             ``torch.float64`` to accumulate ``float32`` or ``bfloat16`` gradients without
             their rounding; the inner optimizer gets them back in the updates' dtype (in the

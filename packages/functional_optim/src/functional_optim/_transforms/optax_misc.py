@@ -19,6 +19,7 @@ from functional_optim._base import GradientTransformation, OptState, UpdateFn, i
 from functional_optim._lists import LeafView, ListTransform, foreach_scaled
 from functional_optim._recipes import transform_factory
 from functional_optim._shard_context import sharded_norms
+from functional_optim._sharded_flags import each_any_over_shards
 from functional_optim._transforms import _ops
 from functional_optim._transforms._leaf import debias as debias_moment
 from functional_optim._transforms._leaf import moment, safe_norm, store
@@ -212,11 +213,11 @@ def zero_nans() -> GradientTransformation:
         return _ops.map_state(updates, state, ZeroNansState, leaf)
 
     def apply(updates: list[Tensor], state: OptState, view: LeafView) -> tuple[list[Tensor], Any]:
-        out: list[Tensor] = []
-        for u, found in zip(updates, view.gather(state.found_nan), strict=True):
-            nan = torch.isnan(u)
-            out.append(torch.where(nan, torch.zeros_like(u), u))
-            found.copy_(nan.any())
+        nans = [torch.isnan(u) for u in updates]
+        flags = each_any_over_shards([nan.any() for nan in nans], view.params)  # whole tensors
+        for found, flag in zip(view.gather(state.found_nan), flags, strict=True):
+            found.copy_(flag)
+        out = [torch.where(n, torch.zeros_like(u), u) for u, n in zip(updates, nans, strict=True)]
         return out, state
 
     lists = ListTransform("zero_nans", {}, apply, writes_updates=False)
