@@ -29,6 +29,7 @@ from functional_optim._aliases.adam_variants import nadam, radam
 from functional_optim._aliases.adaptive import adadelta, adagrad, adamax
 from functional_optim._aliases.asgd import asgd
 from functional_optim._aliases.lbfgs import lbfgs, scale_by_lbfgs
+from functional_optim._aliases.lowbit import adam8bit, adamw4bit, adamw8bit, adamw_fp8, lion8bit
 from functional_optim._aliases.muon import muon
 from functional_optim._aliases.optax_adaptive import (
     adabelief,
@@ -56,6 +57,7 @@ from functional_optim._base import (
     identity,
 )
 from functional_optim._lists import LeafView, ListTransform
+from functional_optim._lowbit.transform import quantized_state
 from functional_optim._optimizer import Optimizer
 from functional_optim._pure_step import PureStepFn, pure_step
 from functional_optim._recipes import transform_factory
@@ -262,8 +264,12 @@ __all__ = [
     "adafactor",
     "adagrad",
     "adam",
+    "adam8bit",
     "adamax",
     "adamw",
+    "adamw4bit",
+    "adamw8bit",
+    "adamw_fp8",
     "adan",
     "add_decayed_weights",
     "add_noise",
@@ -295,6 +301,7 @@ __all__ = [
     "linear_onecycle_schedule",
     "linear_schedule",
     "lion",
+    "lion8bit",
     "lookahead",
     "masked",
     "multi_transform",
@@ -308,6 +315,7 @@ __all__ = [
     "piecewise_interpolate_schedule",
     "polynomial_schedule",
     "pure_step",
+    "quantized_state",
     "radam",
     "register_algorithm",
     "rmsprop",

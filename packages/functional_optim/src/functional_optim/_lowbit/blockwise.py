@@ -1,0 +1,157 @@
+"""Blockwise quantisation of runs of a flat region buffer (see :mod:`.layout`).
+
+A state field of a group is two flat buffers: ``codes`` (``uint8``; 4-bit codes packed two to
+a byte, the even element in the low nibble) and ``scales`` (fp32, one per block). These
+functions read or write the run ``[start, stop)`` of whole blocks; the fp32 values of a run
+exist only while its batch is stepped.
+
+The maths of a run (:func:`decode_run`, :func:`encode_run`) is plain element-wise torch ops;
+:class:`RunCodec` runs it eagerly or, for groups with many full batches, compiled with
+``torch.compile`` (inductor fuses each into one or two loops). Every op is exact (gathers,
+compares, shifts, max, one multiply and one divide), so both give the same bits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from functional_optim._lowbit.codes import CodeMap, decode_codes, encode_normalised
+
+__all__ = ["RunCodec", "block_absmax", "code_bytes", "dequantize", "quantize"]
+
+
+def code_bytes(elements: int, cmap: CodeMap) -> int:
+    """Bytes of codes for ``elements`` elements."""
+    return elements // 2 if cmap.bits == 4 else elements
+
+
+def decode_run(run: Tensor, scales: Tensor, table: Tensor, block_size: int, packed: bool) -> Tensor:
+    """The fp32 values of a run of codes (whole blocks) and its blocks' scales."""
+    if packed:
+        run = torch.stack([run & 15, run >> 4], dim=1).view(-1)
+    values = decode_codes(run, table)
+    return (values.view(-1, block_size) * scales[:, None]).view(-1)
+
+
+def encode_run(
+    values: Tensor,
+    absmax: Tensor,
+    base: Tensor,
+    split: Tensor,
+    block_size: int,
+    packed: bool,
+    fp8: bool,
+) -> Tensor:
+    """The codes of ``values`` (whole blocks) given each block's largest magnitude."""
+    divisor = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    normalised = (values.view(-1, block_size) / divisor[:, None]).view(-1)
+    codes = encode_normalised(normalised, base, split, fp8)
+    if packed:
+        pairs = codes.view(-1, 2)
+        codes = pairs[:, 0] | (pairs[:, 1] << 4)
+    return codes
+
+
+def block_absmax(values: Tensor, block_size: int) -> Tensor:
+    """The largest magnitude of each block of ``values`` (1-D, whole blocks)."""
+    return values.view(-1, block_size).abs().amax(1)
+
+
+def _quantize_run(
+    values: Tensor, base: Tensor, split: Tensor, block_size: int, packed: bool, fp8: bool
+) -> tuple[Tensor, Tensor]:
+    absmax = block_absmax(values, block_size)
+    return encode_run(values, absmax, base, split, block_size, packed, fp8), absmax
+
+
+class RunCodec:
+    """Decode and encode runs of one code map and block size, eagerly or compiled.
+
+    Args:
+        cmap: the code map.
+        block_size: elements per block.
+        compiled: run the maths through ``torch.compile`` (inductor), one graph per run size.
+    """
+
+    def __init__(self, cmap: CodeMap, block_size: int, compiled: bool) -> None:
+        self.cmap, self.bs = cmap, block_size
+        self.packed, self.fp8 = cmap.bits == 4, cmap.kind == "fp8"
+        self.per_byte = 2 if self.packed else 1
+        self._decode: Any = decode_run
+        self._quantize: Any = _quantize_run
+        if compiled:
+            self._decode = torch.compile(decode_run, dynamic=False, fullgraph=True)
+            self._quantize = torch.compile(_quantize_run, dynamic=False, fullgraph=True)
+
+    def dequantize(self, codes: Tensor, scales: Tensor, start: int, stop: int) -> Tensor:
+        """The fp32 values of elements ``[start, stop)`` (whole blocks), a new tensor."""
+        run = codes[start // self.per_byte : stop // self.per_byte]
+        blocks = scales[start // self.bs : stop // self.bs]
+        table = _device_copy(self.cmap.table, codes.device)
+        return self._decode(run, blocks, table, self.bs, self.packed)  # type: ignore[no-any-return]
+
+    def quantize(self, values: Tensor, codes: Tensor, scales: Tensor, start: int) -> Tensor:
+        """Write the codes and scales of ``values`` (whole blocks from ``start``); returns
+        each block's largest magnitude."""
+        base, split = self._tables(values.device)
+        new, absmax = self._quantize(values, base, split, self.bs, self.packed, self.fp8)
+        first = start // self.bs
+        scales[first : first + absmax.numel()] = absmax
+        at = start // self.per_byte
+        codes[at : at + new.numel()] = new
+        return absmax  # type: ignore[no-any-return]
+
+    def requantize(
+        self, values: Tensor, absmax: Tensor, codes: Tensor, scales: Tensor, start: int
+    ) -> None:
+        """Write the codes of ``values`` (whole blocks) with the given largest magnitudes."""
+        quantize(values, absmax, self.cmap, codes, scales, self.bs, start)
+
+    def _tables(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        if self.fp8:
+            return self.cmap.base, self.cmap.split
+        return _device_copy(self.cmap.base, device), _device_copy(self.cmap.split, device)
+
+
+_DEVICE_COPIES: dict[tuple[int, torch.device], Tensor] = {}
+
+
+def _device_copy(t: Tensor, device: torch.device) -> Tensor:
+    if t.device == device:
+        return t
+    key = (id(t), device)
+    copy = _DEVICE_COPIES.get(key)
+    if copy is None:
+        copy = _DEVICE_COPIES[key] = t.to(device)
+    return copy
+
+
+def dequantize(
+    codes: Tensor, scales: Tensor, cmap: CodeMap, block_size: int, start: int, stop: int
+) -> Tensor:
+    """The fp32 values of elements ``[start, stop)`` (whole blocks), as a new 1-D tensor."""
+    return RunCodec(cmap, block_size, False).dequantize(codes, scales, start, stop)
+
+
+def quantize(
+    values: Tensor,
+    absmax: Tensor,
+    cmap: CodeMap,
+    codes: Tensor,
+    scales: Tensor,
+    block_size: int,
+    start: int,
+) -> None:
+    """Write the codes and scales of ``values`` (whole blocks from element ``start``), given
+    each block's largest magnitude ``absmax`` (already reduced over the ranks for shared
+    blocks)."""
+    first = start // block_size
+    scales[first : first + absmax.numel()] = absmax
+    base = _device_copy(cmap.base, values.device) if cmap.kind != "fp8" else cmap.base
+    split = _device_copy(cmap.split, values.device) if cmap.kind != "fp8" else cmap.split
+    new = encode_run(values, absmax, base, split, block_size, cmap.bits == 4, cmap.kind == "fp8")
+    at = start // 2 if cmap.bits == 4 else start
+    codes[at : at + new.numel()] = new
