@@ -39,6 +39,15 @@ from torch.distributed._shard.sharded_tensor.metadata import (
 )
 from torch.distributed._shard.sharded_tensor.shard import Shard
 
+from dist_runtime.block_state import (
+    BlockFormat,
+    elementwise_codes,
+    formats_of,
+    is_blockwise,
+    owned_blocks,
+    region_codes,
+    touched_blocks,
+)
 from dist_runtime.piece_state import Piece, is_elementwise, place_state, split_param_state
 from dist_runtime.process_group import all_gather_objects, global_rank, resolve_group
 from dist_runtime.safe_load import UnsafeCheckpointError, dump_plain, load_plain
@@ -244,10 +253,15 @@ def shard_state_dict(
             for name in names:
                 holders.setdefault((piece.param_index, name), []).append((rank, piece))
     out: dict[str, Any] = {"meta": shard_meta(params, param_groups)}
+    formats = formats_of(param_groups, params)
     for piece, state in local:
+        fmt = formats.get(piece.param_index)
         for name, value in state.items():
             key = state_key(piece.param_index, name)
-            if is_elementwise(name, value, (piece.numel,)):
+            held = holders.get((piece.param_index, name), [])
+            if fmt is not None and is_blockwise(name, state):
+                out[key] = _blockwise_view(name, value, piece, held, fmt, process_group)
+            elif is_elementwise(name, value, (piece.numel,)):
                 value = value.contiguous()
                 out[key] = sharded_view(
                     value, piece, holders.get((piece.param_index, name), []), process_group
@@ -255,6 +269,32 @@ def shard_state_dict(
             else:
                 out[key] = value
     return out
+
+
+def _blockwise_view(
+    name: str,
+    value: torch.Tensor,
+    piece: Piece,
+    holders: Sequence[tuple[int, Piece]],
+    fmt: BlockFormat,
+    process_group: ProcessGroup | None,
+) -> Any:
+    """A low-bit entry in a layout-free form (:mod:`dist_runtime.block_state`): codes as one
+    code per element of the parameter, scales as one per block, each block saved by the
+    rank that holds its first element."""
+    if name.endswith("_codes"):
+        codes = elementwise_codes(value, piece.start, piece.stop, fmt)
+        return sharded_view(codes, piece, holders, process_group)
+    blocks = -(-_numel(piece.shape) // fmt.block_size)
+    first = piece.start // fmt.block_size
+    lo, hi = owned_blocks(piece.start, piece.stop, fmt)
+    mine = value[lo - first : hi - first].contiguous()
+    in_blocks = [
+        (r, Piece(p.param_index, *owned_blocks(p.start, p.stop, fmt), (blocks,)))
+        for r, p in holders
+    ]
+    in_blocks = [(r, p) for r, p in in_blocks if p.numel]
+    return sharded_view(mine, Piece(piece.param_index, lo, hi, (blocks,)), in_blocks, process_group)
 
 
 def _local_values(name: str, value: Any, piece: Piece) -> Any:
@@ -349,13 +389,20 @@ def load_shard_state_dict(
                 f"checkpoint saved {saved}"
             )
     group_of = {t: g for g in optimizer.param_groups for t in g["params"]}
+    formats = formats_of(saved_groups, [])
+    loaded: dict[torch.Tensor, dict[str, Any]] = {}
     for tensor, piece in pieces.items():
         if piece.param_index not in names:
             continue
-        state = {
-            name: _local_values(name, state_dict[state_key(piece.param_index, name)], piece)
-            for name in names[piece.param_index]
-        }
+        saved_names = names[piece.param_index]
+        fmt = formats.get(piece.param_index)
+        state = {}
+        for name in saved_names:
+            value = state_dict[state_key(piece.param_index, name)]
+            if fmt is not None and is_blockwise(name, dict.fromkeys(saved_names)):
+                state[name] = _blockwise_piece(name, value, piece, fmt)
+            else:
+                state[name] = _local_values(name, value, piece)
         placed = place_state(state, tensor, group_of[tensor])
         live = optimizer.state.get(tensor, {})
         for name, value in placed.items():
@@ -373,9 +420,38 @@ def load_shard_state_dict(
                 placed[name] = old
             else:
                 placed[name] = value.clone()  # never alias the caller's dict
-        optimizer.state[tensor] = placed
+        loaded[tensor] = placed
     for local, saved in zip(optimizer.param_groups, saved_groups):
         for key, value in saved.items():
             if key != "params":
                 local[key] = value
+    if hasattr(optimizer, "transform_states"):  # functional_optim.Optimizer: its own load
+        sd = optimizer.state_dict()
+        order = [t for g in optimizer.param_groups for t in g["params"]]
+        sd["state"] = {i: loaded[t] for i, t in enumerate(order) if t in loaded}
+        optimizer.load_state_dict(sd)
+    else:
+        for tensor, placed in loaded.items():
+            optimizer.state[tensor] = placed
     return meta
+
+
+def _blockwise_piece(name: str, value: Any, piece: Piece, fmt: BlockFormat) -> torch.Tensor:
+    """This piece's codes or scales (its blocks) from a loaded layout-free low-bit entry."""
+    if name.endswith("_codes"):
+        codes = _local_values(name, value, piece)
+        return region_codes(codes, piece.start, piece.stop, fmt)
+    first, end = touched_blocks(piece.start, piece.stop, fmt)
+    if isinstance(value, ShardedTensor):  # a template from shard_state_dict: the owned blocks
+        blocks = -(-_numel(piece.shape) // fmt.block_size)
+        owned = Piece(piece.param_index, *owned_blocks(piece.start, piece.stop, fmt), (blocks,))
+        whole: torch.Tensor = _local_values(name, value, owned)
+        if owned.start != first or owned.stop != end:
+            raise ValueError(
+                f"state {name!r} of parameter {piece.param_index} straddles another rank's "
+                "block; load low-bit states with dist_runtime.sharded_checkpoint "
+                "(load_optimizer_shards), which reads whole scales"
+            )
+        return whole
+    part: torch.Tensor = value[first:end]
+    return part

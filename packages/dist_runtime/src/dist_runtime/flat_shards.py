@@ -38,6 +38,7 @@ from dist_runtime.flat_partition import FlatLayout, group_by_key, plan_flat_layo
 from dist_runtime.piece_state import Piece
 from dist_runtime.process_group import group_rank, group_size, resolve_group
 from dist_runtime.ring_reduce_scatter import ring_reduce_scatter
+from functional_optim.lowbit import Placement, Sharing
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
@@ -222,6 +223,36 @@ class FlatShards:
             for bucket in self.buckets
             for s in bucket.layout.slices[rank]
         ]
+
+    def block_sharing(self) -> Sharing:
+        """Where this rank's pieces lie in their parameters, for low-bit optimizer states
+        (:mod:`functional_optim.lowbit`): every piece boundary of every parameter (all ranks)
+        gets a slot, reduced with MAX over the process group."""
+        cuts: dict[int, set[int]] = {}
+        for rank in range(self.world_size):
+            for piece in self.rank_pieces(rank):
+                whole = {0, math.prod(piece.shape)}
+                cuts.setdefault(piece.param_index, set()).update({piece.start, piece.stop} - whole)
+        slot_of, slots = {}, 0
+        for index in sorted(cuts):
+            slot_of[index] = slots
+            slots += len(cuts[index])
+        placements = {
+            id(tensor): Placement(
+                math.prod(piece.shape),
+                piece.start,
+                tuple(sorted(cuts[piece.param_index])),
+                slot_of[piece.param_index],
+            )
+            for tensor, piece in self.piece_info.items()
+        }
+        group = self.process_group
+
+        def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            return t
+
+        return Sharing(placements, slots, all_reduce_max)
 
     def shard_numels(self) -> list[int]:
         """Parameter elements each rank updates (its optimizer-state footprint)."""

@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from dist_runtime.block_state import BlockFormat, cut_blockwise, is_blockwise, join_blockwise
+
 __all__ = [
     "SCALAR_STATE_NAMES",
     "Incoming",
@@ -79,7 +81,12 @@ def _copy(value: Any) -> Any:
 
 
 def split_param_state(
-    state: Mapping[str, Any], shape: Sequence[int], start: int, stop: int, copy: bool = True
+    state: Mapping[str, Any],
+    shape: Sequence[int],
+    start: int,
+    stop: int,
+    copy: bool = True,
+    block: BlockFormat | None = None,
 ) -> dict[str, Any]:
     """Cut a whole parameter's torch-format state down to elements ``[start, stop)``.
 
@@ -89,6 +96,8 @@ def split_param_state(
         start: first element of the piece.
         stop: one past its last element.
         copy: copy the values (False: views of ``state``'s tensors where possible).
+        block: the layout of a low-bit state's codes and scales (cut by block, see
+            :mod:`dist_runtime.block_state`); None: the param has none.
 
     Returns:
         A new dict: elementwise tensors become 1-D slices, other values copies (or the same
@@ -96,7 +105,9 @@ def split_param_state(
     """
     out: dict[str, Any] = {}
     for name, value in state.items():
-        if is_elementwise(name, value, shape):
+        if block is not None and is_blockwise(name, state):
+            out[name] = cut_blockwise(name, value, start, stop, block)
+        elif is_elementwise(name, value, shape):
             piece = value.detach().reshape(-1)[start:stop]
             out[name] = piece.clone() if copy else piece
         else:
@@ -134,8 +145,19 @@ class PieceJoiner:
     hands out: the joined states plus at most one piece are all that is ever held.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, blocks: Mapping[int, BlockFormat] | None = None) -> None:
         self._joined: dict[int, _Joined] = {}
+        self._blocks = blocks or {}
+
+    def _join_block(self, joined: _Joined, piece: Piece, name: str, value: Any, state: Any) -> bool:
+        """File a low-bit codes/scales entry by block; False when ``name`` is not one."""
+        fmt = self._blocks.get(piece.param_index)
+        if fmt is None or not is_blockwise(name, state):
+            return False
+        join_blockwise(
+            joined.values, name, value, piece.start, piece.stop, _numel(piece.shape), fmt
+        )
+        return True
 
     def _register(self, piece: Piece, names: list[str]) -> _Joined:
         joined = self._joined.get(piece.param_index)
@@ -159,6 +181,8 @@ class PieceJoiner:
         joined = self._register(piece, list(state))
         numel = _numel(piece.shape)
         for name, value in state.items():
+            if self._join_block(joined, piece, name, value, state):
+                continue
             if not is_elementwise(name, value, (piece.numel,)):
                 self._keep_scalar(joined, piece, name, value)
                 continue
@@ -190,6 +214,8 @@ class PieceJoiner:
         numel = _numel(piece.shape)
         out = []
         for name, value in state.items():
+            if self._join_block(joined, piece, name, value, state):
+                continue
             if not isinstance(value, Incoming):
                 self._keep_scalar(joined, piece, name, value)
                 continue
@@ -221,6 +247,7 @@ class PieceJoiner:
                 name: (
                     joined.values[name].reshape(joined.shape)
                     if is_elementwise(name, joined.values[name], (numel,))
+                    and not is_blockwise(name, joined.values)
                     else joined.values[name]
                 )
                 for name in joined.names
@@ -279,7 +306,11 @@ def place_state(
             placed[name] = (
                 value.to(dtype=torch.float32, device=tensor.device) if on_device else value
             )
-        elif value.numel() == tensor.numel() and (value.dim() > 0 or tensor.dim() == 0):
+        elif (
+            value.numel() == tensor.numel()
+            and (value.dim() > 0 or tensor.dim() == 0)
+            and not is_blockwise(name, state)
+        ):
             dtype = tensor.dtype if value.is_floating_point() else value.dtype
             placed[name] = value.to(device=tensor.device, dtype=dtype).reshape(tensor.shape)
         else:

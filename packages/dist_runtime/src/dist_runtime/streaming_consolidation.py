@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from dist_runtime.block_state import BlockFormat, is_blockwise
 from dist_runtime.collective_failure import collective_guard
 from dist_runtime.piece_state import (
     Incoming,
@@ -101,7 +102,7 @@ def _outgoing(
         flat = split_param_state(state, tuple(tensor.shape), 0, tensor.numel(), copy=False)
         entry: dict[str, Any] = {}
         for name, value in flat.items():
-            if is_elementwise(name, value, (piece.numel,)):
+            if is_elementwise(name, value, (piece.numel,)) and not is_blockwise(name, flat):
                 entry[name] = Incoming(value.dtype)
                 values.append(value)
             else:
@@ -155,6 +156,7 @@ def consolidate_piece_states(
     to: int = 0,
     process_group: ProcessGroup | None = None,
     device: torch.device | None = None,
+    blocks: Mapping[int, BlockFormat] | None = None,
 ) -> dict[int, dict[str, Any]] | None:
     """Gather every rank's piece states on group rank ``to`` as a torch-format ``state``.
 
@@ -169,6 +171,8 @@ def consolidate_piece_states(
         to: the receiving group rank.
         process_group: the group (None for WORLD).
         device: the device tensors travel on (CUDA for NCCL groups; None for the CPU).
+        blocks: the layout of the low-bit states by parameter index
+            (:mod:`dist_runtime.block_state`): their codes and scales join by block.
 
     Returns:
         On ``to``: ``{global index: state}`` sorted by index, elementwise values shaped like
@@ -185,7 +189,7 @@ def consolidate_piece_states(
             # given up on another sender); the check-in finds out.
             _send_shard(optimizer, pieces, to, group, device)
             return None
-        joiner = PieceJoiner()
+        joiner = PieceJoiner(blocks)
         for src in range(world_size):
             if src != rank:
                 guard.peer = global_rank(group, src)
@@ -201,6 +205,7 @@ def load_global_state(
     optimizer: torch.optim.Optimizer,
     pieces: Mapping[torch.Tensor, Piece],
     state: Mapping[int, Any],
+    blocks: Mapping[int, BlockFormat] | None = None,
 ) -> None:
     """Give each local tensor its slice of a torch-format ``state`` (the inverse of consolidation).
 
@@ -210,11 +215,25 @@ def load_global_state(
         pieces: where each of its tensors lies in the global parameters.
         state: ``state_dict["state"]`` of a plain optimizer over all the parameters (None
             entries and missing indices leave a tensor without state).
+        blocks: the layout of the low-bit states by parameter index
+            (:mod:`dist_runtime.block_state`).
     """
     group_of = {t: g for g in optimizer.param_groups for t in g["params"]}
+    blocks = blocks or {}
+    placed: dict[torch.Tensor, dict[str, Any]] = {}
     for tensor, piece in pieces.items():
         saved = state.get(piece.param_index)
         if not saved:
             continue
-        cut = split_param_state(saved, piece.shape, piece.start, piece.stop)
-        optimizer.state[tensor] = place_state(cut, tensor, group_of[tensor])
+        block = blocks.get(piece.param_index)
+        cut = split_param_state(saved, piece.shape, piece.start, piece.stop, block=block)
+        placed[tensor] = place_state(cut, tensor, group_of[tensor])
+    if not hasattr(optimizer, "transform_states"):
+        for tensor, value in placed.items():
+            optimizer.state[tensor] = value
+        return
+    # a functional_optim.Optimizer keeps its state in its transform: its own load_state_dict
+    local = optimizer.state_dict()
+    order = [t for g in optimizer.param_groups for t in g["params"]]
+    local["state"] = {i: placed[t] for i, t in enumerate(order) if t in placed}
+    optimizer.load_state_dict(local)

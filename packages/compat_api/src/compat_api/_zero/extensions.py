@@ -106,7 +106,8 @@ class ShardedExtensions:
             ValueError: if the param groups or parameter sizes differ from the saved ones.
         """
         self.strategy.check_ready()
-        load_shard_state_dict(self.optim, self._pieces(), state_dict)
+        with self.strategy.lowbit_context():
+            load_shard_state_dict(self.optim, self._pieces(), state_dict)
         sync_param_groups(self.optim.param_groups, self.param_groups)
         mark_has_state(self)
 
@@ -145,6 +146,7 @@ class ShardedExtensions:
             root: the checkpoint root or folder.
             extra: names to read back into (tensors are copied in place).
         """
-        load_optimizer_shards(root, self.optim, self._pieces(), self.process_group, extra)
+        with self.strategy.lowbit_context():
+            load_optimizer_shards(root, self.optim, self._pieces(), self.process_group, extra)
         sync_param_groups(self.optim.param_groups, self.param_groups)
         mark_has_state(self)

@@ -16,6 +16,7 @@ reduction: reduce-scatter + all-gather = one all-reduce's bytes.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -24,11 +25,13 @@ import torch
 from compat_api._zero.layout import sync_param_groups
 from compat_api._zero.strategy import ZeroContext, ZeroStrategy
 from compat_api._zero.validation import refuse_sparse_grads
+from dist_runtime.block_state import BlockFormat
 from dist_runtime.flat_grad_exchange import GradExchange
 from dist_runtime.flat_shards import FlatShards
 from dist_runtime.param_sync import Waitable
 from dist_runtime.piece_state import Piece
 from dist_runtime.streaming_consolidation import consolidate_piece_states, load_global_state
+from functional_optim.lowbit import Sharing, sharing_context
 
 __all__ = ["FlatStrategy", "flat_controller"]
 
@@ -56,14 +59,40 @@ class FlatStrategy(ZeroStrategy):
         #: How the last step reduced the gradients: "exchange" (overlapped with the backward
         #: pass by the hook), "reduce_scatter" (after it) or "" (taken as already averaged).
         self.last_reduction = ""
+        self._sharing: tuple[int, Sharing] | None = None
 
     def local_param_groups(self, zero: ZeroContext) -> list[dict[str, Any]]:
         return self.shards.local_param_groups(zero.param_groups)
 
+    def block_sharing(self) -> Sharing:
+        """Where the pieces lie in their params, for low-bit optimizer states (cached)."""
+        if self._sharing is None or self._sharing[0] != len(self.shards.pieces):
+            self._sharing = (len(self.shards.pieces), self.shards.block_sharing())
+        return self._sharing[1]
+
+    def block_formats(self, zero: ZeroContext) -> dict[int, BlockFormat]:
+        """The codes/scales layout of each param of a low-bit local optimizer, by index (the
+        groups' ``block_size`` and ``kind``: see :mod:`functional_optim.lowbit`)."""
+        formats: dict[int, BlockFormat] = {}
+        for group in zero.param_groups:
+            if "block_size" in group and "kind" in group:
+                fmt = BlockFormat(group["block_size"], 2 if group["kind"] == "int4" else 1)
+                for p in group["params"]:
+                    formats[self.shards.index_of[p]] = fmt
+        return formats
+
+    def lowbit_context(self) -> contextlib.AbstractContextManager[None]:
+        return sharing_context(self.block_sharing())
+
+    def init_optimizer(self, zero: ZeroContext) -> None:
+        with sharing_context(self.block_sharing()):
+            super().init_optimizer(zero)
+
     def add_param_group(self, zero: ZeroContext, new_params: list[torch.Tensor]) -> None:
         # The new parameters get flat buffers of their own; existing shards keep their state.
         self.shards.add_params(new_params)
-        zero.optim.add_param_group(self.shards.local_param_groups([zero.param_groups[-1]])[0])
+        with sharing_context(self.block_sharing()):
+            zero.optim.add_param_group(self.shards.local_param_groups([zero.param_groups[-1]])[0])
 
     def grads_ready(self, key: int, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """A DDP gradient bucket is ready: start sending its slices to their shard owners.
@@ -117,7 +146,8 @@ class FlatStrategy(ZeroStrategy):
             with torch.enable_grad():
                 loss = closure()
         self.prepare_grads(zero)
-        result = zero.optim.step(**kwargs)
+        with sharing_context(self.block_sharing()):  # low-bit states: blocks of whole params
+            result = zero.optim.step(**kwargs)
         self._reduced = False  # the next step reduces anew
         sync_param_groups(zero.optim.param_groups, zero.param_groups)
         return loss if closure is not None else result
@@ -142,7 +172,12 @@ class FlatStrategy(ZeroStrategy):
     ) -> list[dict[str, Any]]:
         # Streamed: one rank's shard at a time, straight to the CPU.
         self.consolidated = consolidate_piece_states(
-            zero.optim, self.shards.piece_info, to, zero.process_group, device
+            zero.optim,
+            self.shards.piece_info,
+            to,
+            zero.process_group,
+            device,
+            self.block_formats(zero),
         )
         return [] if self.consolidated is None else [{}]
 
@@ -170,7 +205,10 @@ class FlatStrategy(ZeroStrategy):
                 )
         before = dict(zero.optim.state)
         try:
-            load_global_state(zero.optim, self.shards.piece_info, state)
+            with sharing_context(self.block_sharing()):
+                load_global_state(
+                    zero.optim, self.shards.piece_info, state, self.block_formats(zero)
+                )
         except Exception:
             zero.optim.state.clear()  # a malformed entry: leave the state as it was
             zero.optim.state.update(before)

@@ -22,6 +22,7 @@ optimizer, gradient preparation, the local step, the parameter sync, consolidati
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -84,6 +85,11 @@ class ZeroStrategy(abc.ABC):
         optim = zero._optim_constructor(self.local_param_groups(zero), **zero._optim_defaults)
         zero.optim = check_local_optimizer(optim, zero._optim_constructor)
         sync_param_groups(zero.optim.param_groups, zero.param_groups)
+
+    def lowbit_context(self) -> contextlib.AbstractContextManager[None]:
+        """Where the local tensors lie in their params, for low-bit optimizer states
+        (:mod:`functional_optim.lowbit`); whole params by default."""
+        return contextlib.nullcontext()
 
     def check_ready(self) -> None:  # noqa: B027 (a no-op hook)
         """Raise if the mode cannot serve state dicts yet (overlap warm-up)."""
