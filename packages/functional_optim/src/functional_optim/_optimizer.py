@@ -12,6 +12,7 @@ from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState, apply_updates
 from functional_optim._group_hyperparams import GroupHyperparams
+from functional_optim._lowbit.state_tree import refuse_sharded_lowbit_export
 from functional_optim._sharded_params import ShardedGroups
 from functional_optim._torch_state import (
     check_torch_state,
@@ -336,7 +337,14 @@ class Optimizer(torch.optim.Optimizer):
         return {**state_dict, "param_groups": filled}, templates
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the state in torch's format (see the class docstring)."""
+        """Return the state in torch's format (see the class docstring).
+
+        Raises:
+            NotImplementedError: low-bit states of sharded DTensor params (their codes cover
+                each rank's blocks, which a DCP checkpoint cannot reshard yet).
+        """
+        for group, state in zip(self.param_groups, self._tx_states, strict=False):
+            refuse_sharded_lowbit_export(group["params"], state)
         self._export_state()
         return super().state_dict()
 
