@@ -276,3 +276,19 @@ def _diloco_case(rank: int, world_size: int) -> list[float]:
 def test_lowbit_inner_optimizer_under_diloco(world2: World) -> None:
     for errors in world2.run(_diloco_case):
         assert max(errors) < 1e-5, errors
+
+
+def _dsd_refusal_case(rank: int, world_size: int) -> bool:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model = torch.nn.Linear(64, 80)
+    zero = ZeroRedundancyOptimizer(model.parameters(), LowbitAdamW, partition="flat", lr=1e-2)
+    model(torch.ones(2, 64)).sum().backward()
+    zero.step()
+    with pytest.raises(NotImplementedError, match="save_sharded"):
+        get_optimizer_state_dict(model, zero)
+    return True
+
+
+def test_dsd_of_zero_with_lowbit_state_refuses(world2: World) -> None:
+    assert world2.run(_dsd_refusal_case) == [True, True]

@@ -114,12 +114,28 @@ def dcp_state_dict(zero: ZeroContext, strategy: Any) -> dict[str, Any]:
         ``{"state": {index: {name: value}}, "param_groups": [...]}``.
     """
     sync_param_groups(zero.param_groups, zero.optim.param_groups)
+    _refuse_lowbit(zero)
     mine = index_state_dict(zero.optim, strategy.owned_pieces(zero), zero.process_group)
     count = len(zero._layout.index_to_param)
     return {
         "state": {i: mine.get(i, {}) for i in range(count)},
         "param_groups": _groups_with_indices(zero),
     }
+
+
+def _refuse_lowbit(zero: ZeroContext) -> None:
+    """Low-bit local optimizer states (codes and block scales) have no DSD layout yet.
+
+    Raises:
+        NotImplementedError: if the param groups hold ``block_size`` and ``kind``
+            (:mod:`functional_optim.lowbit`).
+    """
+    if any("block_size" in g and "kind" in g for g in zero.param_groups):
+        raise NotImplementedError(
+            "get/set_optimizer_state_dict of a ZeroRedundancyOptimizer with low-bit optimizer "
+            "states is not supported yet (their codes and block scales have no DSD layout); "
+            "use zero.save_sharded / load_sharded (any world size) or consolidate_state_dict"
+        )
 
 
 def uses_param_names(state_dict: Mapping[str, Any]) -> bool:
@@ -148,6 +164,7 @@ def load_named_state_dict(zero: ZeroContext, strategy: Any, state_dict: Mapping[
             that lacks the local optimizer's hyperparameters; a sharded value that does not
             hold this rank's elements (all before anything changes).
     """
+    _refuse_lowbit(zero)
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(zero.param_groups):
         raise ValueError("loaded state dict has a different number of parameter groups")
