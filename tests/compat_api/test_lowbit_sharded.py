@@ -83,11 +83,7 @@ def _dtensor_case(rank: int, world_size: int, kind: str) -> list[int]:
         for p, g in zip(params, _grads(step), strict=True):
             p.grad = distribute_tensor(g, mesh, [Shard(0)])
         opt.step()
-    mismatches = _mismatches([p.full_tensor().detach() for p in params], expected)
-    # no silent per-rank codes in a DCP checkpoint
-    with pytest.raises(NotImplementedError, match="sharded DTensor with low-bit optimizer"):
-        opt.state_dict()
-    return mismatches
+    return _mismatches([p.full_tensor().detach() for p in params], expected)
 
 
 def _quantised_somewhere(rank: int, world_size: int) -> bool:
@@ -292,3 +288,58 @@ def _dsd_refusal_case(rank: int, world_size: int) -> bool:
 
 def test_dsd_of_zero_with_lowbit_state_refuses(world2: World) -> None:
     assert world2.run(_dsd_refusal_case) == [True, True]
+
+
+def _dtensor_params(world_size: int, full: list[torch.Tensor]) -> list[torch.nn.Parameter]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    return [torch.nn.Parameter(distribute_tensor(p.clone(), mesh, [Shard(0)])) for p in full]
+
+
+def _dcp_save_case(rank: int, world_size: int, kind: str, root: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    lowbit_transform.BATCH_ELEMENTS = 256
+    params = _dtensor_params(world_size, _params())
+    opt = LowbitAdamW(params, kind=kind)
+    for step in range(2):
+        for p, g in zip(params, _grads(step), strict=True):
+            p.grad = distribute_tensor(g, p.device_mesh, [Shard(0)])
+        opt.step()
+    dcp.save({"optim": opt.state_dict()}, checkpoint_id=root)
+
+
+def _dcp_load_case(rank: int, world_size: int, kind: str, root: str) -> list[int]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    lowbit_transform.BATCH_ELEMENTS = 256
+    expected, _ = _reference_state(kind, 4)
+    start, _ = _reference_state(kind, 2)
+    params = _dtensor_params(world_size, start)
+    opt = LowbitAdamW(params, kind=kind, lr=0.0)
+    for p in params:  # a template: state for every param (lr 0: nothing moves)
+        p.grad = distribute_tensor(torch.zeros(p.shape), p.device_mesh, [Shard(0)])
+    opt.step()
+    template = opt.state_dict()
+    dcp.load({"optim": template}, checkpoint_id=root)
+    opt.load_state_dict(template)
+    for group in opt.param_groups:
+        group["lr"] = 1e-2
+    for step in range(2, 4):
+        for p, g in zip(params, _grads(step), strict=True):
+            p.grad = distribute_tensor(g, p.device_mesh, [Shard(0)])
+        opt.step()
+    return _mismatches([p.full_tensor().detach() for p in params], expected)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_dcp_of_dtensor_params_reshards_two_to_three(
+    world2: World, world3: World, kind: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    root = str(tmp_path_factory.mktemp(f"dcp_{kind}"))
+    world2.run(_dcp_save_case, kind, root)
+    assert world3.run(_dcp_load_case, kind, root) == [[], [], []]

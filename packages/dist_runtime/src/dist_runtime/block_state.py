@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from functional_optim.lowbit import elements_to_region, region_to_elements
+
 __all__ = [
     "BlockFormat",
     "cut_blockwise",
@@ -78,20 +80,6 @@ def join_blockwise(
     buffer[first * unit : end * unit] |= value
 
 
-def _mask_outside(codes: torch.Tensor, lo: int, hi: int, per_byte: int) -> torch.Tensor:
-    """``codes`` with every element outside ``[lo, hi)`` (element offsets) set to code 0."""
-    if per_byte == 2:
-        elements = torch.stack([codes & 15, codes >> 4], dim=1).view(-1)
-    else:
-        elements = codes.clone()
-    elements[:lo] = 0
-    elements[hi:] = 0
-    if per_byte == 2:
-        pairs = elements.view(-1, 2)
-        return pairs[:, 0] | (pairs[:, 1] << 4)
-    return elements
-
-
 def cut_blockwise(
     name: str, value: torch.Tensor, start: int, stop: int, fmt: BlockFormat
 ) -> torch.Tensor:
@@ -101,8 +89,7 @@ def cut_blockwise(
         return value[first:end].clone()
     unit = fmt.block_size // fmt.per_byte
     region = value[first * unit : end * unit]
-    base = first * fmt.block_size
-    return _mask_outside(region, start - base, stop - base, fmt.per_byte)
+    return region_codes(elementwise_codes(region, start, stop, fmt), start, stop, fmt)
 
 
 def formats_of(
@@ -136,21 +123,9 @@ def elementwise_codes(
     region: torch.Tensor, start: int, stop: int, fmt: BlockFormat
 ) -> torch.Tensor:
     """One code per element of ``[start, stop)`` (unpacked), from the piece's block codes."""
-    elements = region
-    if fmt.per_byte == 2:
-        elements = torch.stack([region & 15, region >> 4], dim=1).view(-1)
-    offset = start - (start // fmt.block_size) * fmt.block_size
-    return elements[offset : offset + stop - start].contiguous()
+    return region_to_elements(region, start, stop, fmt.block_size, fmt.per_byte)
 
 
 def region_codes(elements: torch.Tensor, start: int, stop: int, fmt: BlockFormat) -> torch.Tensor:
     """The piece's block codes (packed, zero outside it) from one code per element."""
-    first, end = _blocks(start, stop, fmt)
-    bs = fmt.block_size
-    region = torch.zeros((end - first) * bs, dtype=torch.uint8, device=elements.device)
-    offset = start - first * bs
-    region[offset : offset + stop - start] = elements.reshape(-1)
-    if fmt.per_byte == 2:
-        pairs = region.view(-1, 2)
-        return pairs[:, 0] | (pairs[:, 1] << 4)
-    return region
+    return elements_to_region(elements, start, stop, fmt.block_size, fmt.per_byte)

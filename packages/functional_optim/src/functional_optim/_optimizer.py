@@ -12,7 +12,7 @@ from torch import Tensor
 
 from functional_optim._base import GradientTransformation, OptState, apply_updates
 from functional_optim._group_hyperparams import GroupHyperparams
-from functional_optim._lowbit.state_tree import refuse_sharded_lowbit_export
+from functional_optim._lowbit.dtensor_state import export_sharded, import_sharded
 from functional_optim._sharded_params import ShardedGroups
 from functional_optim._torch_state import (
     check_torch_state,
@@ -316,6 +316,7 @@ class Optimizer(torch.optim.Optimizer):
             KeyError, ValueError, RuntimeError, TypeError: see :meth:`load_state_dict`.
         """
         groups, saved = self.param_groups, state_dict["param_groups"]
+        state_dict = import_sharded(groups, state_dict)  # low-bit state of DTensor params
         if len(groups) != len(saved) or any(
             len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved, strict=True)
         ):
@@ -339,14 +340,14 @@ class Optimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Return the state in torch's format (see the class docstring).
 
-        Raises:
-            NotImplementedError: low-bit states of sharded DTensor params (their codes cover
-                each rank's blocks, which a DCP checkpoint cannot reshard yet).
+        Low-bit states of sharded DTensor params come in a layout DCP reshards (one code per
+        element, as a DTensor; every block's scale): a collective for them, as DCP calls it
+        on every rank (see :mod:`functional_optim._lowbit.dtensor_state`).
         """
-        for group, state in zip(self.param_groups, self._tx_states, strict=False):
-            refuse_sharded_lowbit_export(group["params"], state)
         self._export_state()
-        return super().state_dict()
+        state_dict = super().state_dict()
+        state_dict["state"] = export_sharded(self.param_groups, state_dict["state"])
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state from :meth:`state_dict` (or a compatible torch optimizer's).

@@ -12,13 +12,16 @@
 
 from functional_optim._lowbit.convert import dequantized_state_dict, quantized_state_dict
 from functional_optim._lowbit.layout import Placement, Sharing, sharing_context
+from functional_optim._lowbit.regions import elements_to_region, region_to_elements
 from functional_optim._lowbit.transform import quantized_state
 
 __all__ = [
     "Placement",
     "Sharing",
     "dequantized_state_dict",
+    "elements_to_region",
     "quantized_state",
     "quantized_state_dict",
+    "region_to_elements",
     "sharing_context",
 ]

@@ -28,11 +28,13 @@ def code_bytes(elements: int, cmap: CodeMap) -> int:
     return elements // 2 if cmap.bits == 4 else elements
 
 
-def decode_run(run: Tensor, scales: Tensor, table: Tensor, block_size: int, packed: bool) -> Tensor:
+def decode_run(
+    run: Tensor, scales: Tensor, table: Tensor, block_size: int, packed: bool, fp8: bool
+) -> Tensor:
     """The fp32 values of a run of codes (whole blocks) and its blocks' scales."""
     if packed:
         run = torch.stack([run & 15, run >> 4], dim=1).view(-1)
-    values = decode_codes(run, table)
+    values = decode_codes(run, table, fp8)
     return (values.view(-1, block_size) * scales[:, None]).view(-1)
 
 
@@ -91,7 +93,7 @@ class RunCodec:
         run = codes[start // self.per_byte : stop // self.per_byte]
         blocks = scales[start // self.bs : stop // self.bs]
         table = _device_copy(self.cmap.table, codes.device)
-        return self._decode(run, blocks, table, self.bs, self.packed)  # type: ignore[no-any-return]
+        return self._decode(run, blocks, table, self.bs, self.packed, self.fp8)  # type: ignore[no-any-return]
 
     def quantize(self, values: Tensor, codes: Tensor, scales: Tensor, start: int) -> Tensor:
         """Write the codes and scales of ``values`` (whole blocks from ``start``); returns

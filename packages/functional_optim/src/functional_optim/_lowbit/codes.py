@@ -70,7 +70,7 @@ class CodeMap(NamedTuple):
 
     def decode(self, codes: Tensor) -> Tensor:
         """The normalised fp32 values of ``codes`` (``uint8``, unpacked)."""
-        return decode_codes(codes, _on(self.table, codes.device))
+        return decode_codes(codes, _on(self.table, codes.device), self.kind == "fp8")
 
 
 def encode_normalised(x: Tensor, base: Tensor, split: Tensor, fp8: bool) -> Tensor:
@@ -78,13 +78,19 @@ def encode_normalised(x: Tensor, base: Tensor, split: Tensor, fp8: bool) -> Tens
     the module docstring; fp8: torch's round-to-nearest-even cast)."""
     if fp8:
         return (x * _FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-    cell = ((x.view(torch.int32) >> 16) + 32768).to(torch.int64)
-    return (base[cell] + (x > split[cell]).to(torch.int32)).to(torch.uint8)
+    cell = [((x.view(torch.int32) >> 16) + 32768).to(torch.int64)]
+    low: Tensor = torch.ops.aten._unsafe_index(base, cell)  # cells are in range by construction
+    above: Tensor = x > torch.ops.aten._unsafe_index(split, cell)
+    return (low + above.to(torch.int32)).to(torch.uint8)
 
 
-def decode_codes(codes: Tensor, table: Tensor) -> Tensor:
-    """The normalised fp32 values of ``codes`` (``uint8``, unpacked)."""
-    return table[codes.to(torch.int64)]
+def decode_codes(codes: Tensor, table: Tensor, fp8: bool = False) -> Tensor:
+    """The normalised fp32 values of ``codes`` (``uint8``, unpacked): ``table[codes]``; fp8
+    by torch's conversion (the same values as its table, without a gather)."""
+    if fp8:
+        return codes.view(torch.float8_e4m3fn).to(torch.float32) / _FP8_MAX
+    values: Tensor = torch.ops.aten._unsafe_index(table, [codes.to(torch.int64)])
+    return values
 
 
 _DEVICE_COPIES: dict[tuple[int, torch.device], Tensor] = {}

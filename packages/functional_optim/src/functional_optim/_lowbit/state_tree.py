@@ -22,7 +22,6 @@ __all__ = [
     "get_field",
     "moment_type",
     "per_param_fields",
-    "refuse_sharded_lowbit_export",
     "replace_fields",
     "up_to",
 ]
@@ -117,35 +116,3 @@ def __getattr__(name: str) -> Any:
 def is_moment_state(node: Any) -> bool:
     """Whether ``node`` is one of the ``Quantized_<key>`` states."""
     return type(node) in _TYPES.values()
-
-
-def refuse_sharded_lowbit_export(params: list[Any], state: OptState) -> None:
-    """Raise for a state dict of low-bit states of sharded DTensor params.
-
-    Raises:
-        NotImplementedError: if a param is a DTensor split over some mesh dim and ``state``
-            holds quantised moments.
-    """
-    sharded = [
-        i
-        for i, p in enumerate(params)
-        if hasattr(p, "placements") and any(not pl.is_replicate() for pl in p.placements)
-    ]
-    if not sharded or not _has_moments(state):
-        return
-    raise NotImplementedError(
-        f"param {sharded[0]} is a sharded DTensor with low-bit optimizer state: its codes "
-        "cover this rank's blocks, which a DCP checkpoint cannot reshard yet. Checkpoint "
-        "low-bit states with ZeroRedundancyOptimizer(partition='flat') (save_sharded, "
-        "consolidate_state_dict) or on unsharded params"
-    )
-
-
-def _has_moments(node: Any) -> bool:
-    if is_moment_state(node):
-        return True
-    if isinstance(node, InjectHyperparamsState):
-        return _has_moments(node.inner_state)
-    if isinstance(node, (tuple, list)):
-        return any(_has_moments(c) for c in node)
-    return False

@@ -23,6 +23,9 @@ from functional_optim._tree import NAMESPACE, NONE_IS_LEAF, TreeSpec, tree_flatt
 
 __all__ = ["check_grads", "moment_refs", "quantized_step"]
 
+#: the compiled codec takes batches this many times larger (fewer calls: each costs ~0.2 ms)
+COMPILED_BATCH_FACTOR = 4
+
 
 def check_grads(params: Sequence[Tensor], grads: Sequence[Any]) -> None:
     """Every gradient has its param's shape; quantised params are contiguous."""
@@ -158,7 +161,8 @@ def quantized_step(spec: Any, params: Any, grads: Any, state: Any) -> Any:
     quant = [spec.quantised(p, pl) for p, pl in zip(leaves, placements, strict=True)]
     sizes = [p.numel() if q else 0 for p, q in zip(leaves, quant, strict=True)]
     compiled = spec.compiled(sum(sizes), leaves)
-    layout = GroupLayout(sizes, placements, spec.bs, spec.batch, whole_batches=compiled)
+    batch = spec.batch * COMPILED_BATCH_FACTOR if compiled else spec.batch
+    layout = GroupLayout(sizes, placements, spec.bs, batch, whole_batches=compiled)
     run = _Run(spec, leaves, g_leaves, inner, moments, tree)
     cmaps = [spec.cmap(r) for r in run.moment_refs]
     codecs = [spec.codec(cmap, compiled) for cmap in cmaps]
