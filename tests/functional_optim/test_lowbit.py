@@ -278,15 +278,19 @@ def test_least_squares_targets(name: str, limit: float) -> None:
 
 
 @pytest.mark.parametrize("kind", ["int4"])
-def test_compiled_codec_gives_the_same_bits(kind: str) -> None:
+def test_compiled_codec_gives_the_same_bits(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The one inductor smoke test: torch.compile'd blockwise codec == eager, bit for bit."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(lowbit_transform, "BATCH_ELEMENTS", 256)  # full compiled runs of 1024
     runs = []
+    graphs = counters["stats"]["unique_graphs"]
     for compiled in (False, True):
         params = _params()
-        inner = fo.adamw(lr=1e-2)
-        tx = fo.quantized_state(inner, kind, 64, 64, compile=compiled)
+        tx = fo.quantized_state(fo.adamw(lr=1e-2), kind, 64, 64, compile=compiled)
         _train(fo.Optimizer(params, tx), params, range(3))
         runs.append(params)
+    assert counters["stats"]["unique_graphs"] > graphs  # the compiled codec ran
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 

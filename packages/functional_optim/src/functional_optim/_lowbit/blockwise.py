@@ -75,16 +75,17 @@ class RunCodec:
     Args:
         cmap: the code map.
         block_size: elements per block.
-        compiled: run the maths through ``torch.compile`` (inductor), one graph per run size.
+        compiled_run: runs of exactly this many elements go through ``torch.compile``
+            (inductor, one graph); others, and every run when 0, run eagerly (the same bits).
     """
 
-    def __init__(self, cmap: CodeMap, block_size: int, compiled: bool) -> None:
-        self.cmap, self.bs = cmap, block_size
+    def __init__(self, cmap: CodeMap, block_size: int, compiled_run: int) -> None:
+        self.cmap, self.bs, self.compiled_run = cmap, block_size, compiled_run
         self.packed, self.fp8 = cmap.bits == 4, cmap.kind == "fp8"
         self.per_byte = 2 if self.packed else 1
         self._decode: Any = decode_run
         self._quantize: Any = _quantize_run
-        if compiled:
+        if compiled_run:
             self._decode = torch.compile(decode_run, dynamic=False, fullgraph=True)
             self._quantize = torch.compile(_quantize_run, dynamic=False, fullgraph=True)
 
@@ -93,18 +94,20 @@ class RunCodec:
         run = codes[start // self.per_byte : stop // self.per_byte]
         blocks = scales[start // self.bs : stop // self.bs]
         table = _device_copy(self.cmap.table, codes.device)
-        return self._decode(run, blocks, table, self.bs, self.packed, self.fp8)  # type: ignore[no-any-return]
+        decode = self._decode if stop - start == self.compiled_run else decode_run
+        return decode(run, blocks, table, self.bs, self.packed, self.fp8)
 
     def quantize(self, values: Tensor, codes: Tensor, scales: Tensor, start: int) -> Tensor:
         """Write the codes and scales of ``values`` (whole blocks from ``start``); returns
         each block's largest magnitude."""
         base, split = self._tables(values.device)
-        new, absmax = self._quantize(values, base, split, self.bs, self.packed, self.fp8)
+        fn = self._quantize if values.numel() == self.compiled_run else _quantize_run
+        new, absmax = fn(values, base, split, self.bs, self.packed, self.fp8)
         first = start // self.bs
         scales[first : first + absmax.numel()] = absmax
         at = start // self.per_byte
         codes[at : at + new.numel()] = new
-        return absmax  # type: ignore[no-any-return]
+        return absmax
 
     def requantize(
         self, values: Tensor, absmax: Tensor, codes: Tensor, scales: Tensor, start: int
@@ -135,7 +138,7 @@ def dequantize(
     codes: Tensor, scales: Tensor, cmap: CodeMap, block_size: int, start: int, stop: int
 ) -> Tensor:
     """The fp32 values of elements ``[start, stop)`` (whole blocks), as a new 1-D tensor."""
-    return RunCodec(cmap, block_size, False).dequantize(codes, scales, start, stop)
+    return RunCodec(cmap, block_size, 0).dequantize(codes, scales, start, stop)
 
 
 def quantize(

@@ -108,7 +108,6 @@ class GroupLayout:
         placements: their placements.
         block_size: elements per block.
         batch_elements: about how many elements one batch holds.
-        whole_batches: pad the buffer to whole batches (every batch the same size).
 
     Attributes:
         region: ``(first element, region elements)`` of each tensor in the flat buffer.
@@ -125,7 +124,6 @@ class GroupLayout:
         placements: Sequence[Placement],
         block_size: int,
         batch_elements: int,
-        whole_batches: bool = False,
     ) -> None:
         bs = block_size
         self.region: list[tuple[int, int]] = []
@@ -146,8 +144,6 @@ class GroupLayout:
             at += count
         span = max(bs, batch_elements // bs * bs)
         self.elements = at * bs
-        if whole_batches:  # every batch the same size (one compiled graph)
-            self.elements = -(-self.elements // span) * span
         self.batches = self._batches(sizes, bs, span)
 
     def _batches(self, sizes: Sequence[int], bs: int, span: int) -> list[Batch]:

@@ -162,10 +162,10 @@ def quantized_step(spec: Any, params: Any, grads: Any, state: Any) -> Any:
     sizes = [p.numel() if q else 0 for p, q in zip(leaves, quant, strict=True)]
     compiled = spec.compiled(sum(sizes), leaves)
     batch = spec.batch * COMPILED_BATCH_FACTOR if compiled else spec.batch
-    layout = GroupLayout(sizes, placements, spec.bs, batch, whole_batches=compiled)
+    layout = GroupLayout(sizes, placements, spec.bs, batch)
     run = _Run(spec, leaves, g_leaves, inner, moments, tree)
     cmaps = [spec.cmap(r) for r in run.moment_refs]
-    codecs = [spec.codec(cmap, compiled) for cmap in cmaps]
+    codecs = [spec.codec(cmap, batch if compiled else 0) for cmap in cmaps]
     device = leaves[0].device if leaves else torch.device("cpu")
     codes, scales, codes_flat, scales_flat = [], [], [], []
     for m, cmap, ref in zip(moments, cmaps, run.moment_refs, strict=True):

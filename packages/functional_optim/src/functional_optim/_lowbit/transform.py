@@ -50,8 +50,8 @@ COMPILE_MIN_BATCHES = 4
 
 
 @functools.cache
-def _codec(cmap: CodeMap, block_size: int, compiled: bool) -> blockwise.RunCodec:
-    return blockwise.RunCodec(cmap, block_size, compiled)
+def _codec(cmap: CodeMap, block_size: int, compiled_run: int) -> blockwise.RunCodec:
+    return blockwise.RunCodec(cmap, block_size, compiled_run)
 
 
 @functools.cache
@@ -104,8 +104,8 @@ class _Spec:
             return False
         return params[0].device.type in ("cpu", "cuda") and _inductor_available()
 
-    def codec(self, cmap: CodeMap, compiled: bool) -> blockwise.RunCodec:
-        return _codec(cmap, self.bs, compiled)
+    def codec(self, cmap: CodeMap, compiled_run: int) -> blockwise.RunCodec:
+        return _codec(cmap, self.bs, compiled_run)
 
     def cmap(self, ref: FieldRef) -> CodeMap:
         return code_map(self.kind, ref.key not in NON_NEGATIVE)
