@@ -93,4 +93,8 @@ def bench(session: nox.Session) -> None:
     _install_workspace(session, "matplotlib", "scikit-learn")
     # fairscale: the peer row of benchmarks/zero_peers.py (skipped with a note without it).
     session.install(*CONSTRAINTS, "fairscale==0.4.13")
+    # torchao, bitsandbytes: the peer rows of benchmarks/lowbit_states.py (reported without them).
+    session.install(*CONSTRAINTS, "torchao==0.18.0", "bitsandbytes==0.50.2")
+    # torchft: the peer row of benchmarks/lm_diloco.py (skipped with a note without it).
+    session.install(*CONSTRAINTS, "torchft==0.2.0")
     session.run("python", "benchmarks/run_all.py", *session.posargs)

@@ -32,7 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("step_throughput", "zero_step", "averaging", "rpc_step", "lm_diloco")  # in order
+BENCHMARKS = (  # in order
+    "step_throughput",
+    "zero_step",
+    "averaging",
+    "rpc_step",
+    "lm_diloco",
+    "lowbit_states",
+)
 SIZE_HEADER = re.compile(r"\b(size|params?|parameters|numel|elements|tensors)\b", re.IGNORECASE)
 RATIO_HEADER = re.compile(
     r"ratio|vs\.? torch|speed-?up|/ ?torch|\bx torch|\u00d7 ?torch", re.IGNORECASE
