@@ -274,20 +274,57 @@ def test_lowbit_inner_optimizer_under_diloco(world2: World) -> None:
         assert max(errors) < 1e-5, errors
 
 
-def _dsd_refusal_case(rank: int, world_size: int) -> bool:
+def _holder(tensors: list[torch.Tensor]) -> torch.nn.Module:
+    module = torch.nn.Module()
+    module.ps = torch.nn.ParameterList([torch.nn.Parameter(t.clone()) for t in tensors])
+    return module
+
+
+def _dsd_save_case(rank: int, world_size: int, kind: str, root: str) -> None:
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    model = torch.nn.Linear(64, 80)
-    zero = ZeroRedundancyOptimizer(model.parameters(), LowbitAdamW, partition="flat", lr=1e-2)
-    model(torch.ones(2, 64)).sum().backward()
-    zero.step()
-    with pytest.raises(NotImplementedError, match="save_sharded"):
-        get_optimizer_state_dict(model, zero)
-    return True
+    lowbit_transform.BATCH_ELEMENTS = 256
+    model = _holder(_params())
+    params = list(model.parameters())
+    zero = ZeroRedundancyOptimizer(params, LowbitAdamW, partition="flat", lr=1e-2, kind=kind)
+    for step in range(2):
+        for p, g in zip(params, _grads(step), strict=True):
+            p.grad = g
+        zero.step()
+    dcp.save({"optim": get_optimizer_state_dict(model, zero)}, checkpoint_id=root)
 
 
-def test_dsd_of_zero_with_lowbit_state_refuses(world2: World) -> None:
-    assert world2.run(_dsd_refusal_case) == [True, True]
+def _dsd_load_case(rank: int, world_size: int, kind: str, root: str) -> list[int]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    lowbit_transform.BATCH_ELEMENTS = 256
+    expected, _ = _reference_state(kind, 4)
+    start, _ = _reference_state(kind, 2)
+    model = _holder(start)
+    params = list(model.parameters())
+    zero = ZeroRedundancyOptimizer(params, LowbitAdamW, partition="flat", lr=1e-2, kind=kind)
+    target = get_optimizer_state_dict(model, zero)
+    dcp.load({"optim": target}, checkpoint_id=root)
+    set_optimizer_state_dict(model, zero, target)
+    for step in range(2, 4):
+        for p, g in zip(params, _grads(step), strict=True):
+            p.grad = g
+        zero.step()
+    return _mismatches([p.detach() for p in params], expected)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_zero_dsd_checkpoint_two_ranks_to_three(
+    world2: World, world3: World, kind: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    root = str(tmp_path_factory.mktemp(f"dsd_{kind}"))
+    world2.run(_dsd_save_case, kind, root)
+    assert world3.run(_dsd_load_case, kind, root) == [[], [], []]
 
 
 def _dtensor_params(world_size: int, full: list[torch.Tensor]) -> list[torch.nn.Parameter]:

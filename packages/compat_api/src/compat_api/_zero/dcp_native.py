@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from compat_api._zero.dcp_lowbit import lowbit_formats, lowbit_pieces_from_dsd, lowbit_state_view
 from compat_api._zero.layout import sync_param_groups
 from compat_api._zero.strategy import ZeroContext, _local_state_dict
 from compat_api._zero.validation import check_saved_groups
@@ -114,28 +115,15 @@ def dcp_state_dict(zero: ZeroContext, strategy: Any) -> dict[str, Any]:
         ``{"state": {index: {name: value}}, "param_groups": [...]}``.
     """
     sync_param_groups(zero.param_groups, zero.optim.param_groups)
-    _refuse_lowbit(zero)
-    mine = index_state_dict(zero.optim, strategy.owned_pieces(zero), zero.process_group)
+    pieces = strategy.owned_pieces(zero)
+    formats = lowbit_formats(zero)
+    source = lowbit_state_view(zero, pieces, formats) if formats else zero.optim
+    mine = index_state_dict(source, pieces, zero.process_group)
     count = len(zero._layout.index_to_param)
     return {
         "state": {i: mine.get(i, {}) for i in range(count)},
         "param_groups": _groups_with_indices(zero),
     }
-
-
-def _refuse_lowbit(zero: ZeroContext) -> None:
-    """Low-bit local optimizer states (codes and block scales) have no DSD layout yet.
-
-    Raises:
-        NotImplementedError: if the param groups hold ``block_size`` and ``kind``
-            (:mod:`functional_optim.lowbit`).
-    """
-    if any("block_size" in g and "kind" in g for g in zero.param_groups):
-        raise NotImplementedError(
-            "get/set_optimizer_state_dict of a ZeroRedundancyOptimizer with low-bit optimizer "
-            "states is not supported yet (their codes and block scales have no DSD layout); "
-            "use zero.save_sharded / load_sharded (any world size) or consolidate_state_dict"
-        )
 
 
 def uses_param_names(state_dict: Mapping[str, Any]) -> bool:
@@ -164,7 +152,6 @@ def load_named_state_dict(zero: ZeroContext, strategy: Any, state_dict: Mapping[
             that lacks the local optimizer's hyperparameters; a sharded value that does not
             hold this rank's elements (all before anything changes).
     """
-    _refuse_lowbit(zero)
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(zero.param_groups):
         raise ValueError("loaded state dict has a different number of parameter groups")
@@ -177,14 +164,17 @@ def load_named_state_dict(zero: ZeroContext, strategy: Any, state_dict: Mapping[
     name_of_index = [name for group in saved_groups for name in group["params"]]
     saved_state = state_dict["state"]
     local: dict[torch.Tensor, Any] = {}
+    formats = lowbit_formats(zero)
     for tensor, piece in strategy.owned_pieces(zero).items():
         saved = saved_state.get(name_of_index[piece.param_index])
         if saved:
-            local[tensor] = piece_values(saved, piece, tuple(tensor.shape))
+            values = piece_values(saved, piece, tuple(tensor.shape))
+            local[tensor] = lowbit_pieces_from_dsd(values, piece, formats.get(piece.param_index))
     loaded = _local_state_dict(zero.optim, local, list(saved_groups))
     bindings = dict(vars(zero.optim))
     try:
-        zero.optim.load_state_dict(loaded)
+        with strategy.lowbit_context():
+            zero.optim.load_state_dict(loaded)
     except Exception:
         vars(zero.optim).clear()
         vars(zero.optim).update(bindings)
