@@ -16,9 +16,10 @@ seed sets the initial weights and the batches):
   over many outer steps; with 2-4 ranks and 20-40 outer steps that momentum overshoots: the
   sweep in docs/benchmarks.md chose lr 1.0, momentum 0.5); **streaming**: ``P`` fragments on
   staggered schedules with the all-reduce overlapped; **int8**: the outer gradients sent as
-  int8; **warm start**: ``WarmStartDiLoCoAverager``, gradients averaged for the first
-  ``--warm-start`` steps, then DiLoCo; **MuLoCo**: ``muloco()``, Muon (``fo.muon``) as the
-  inner optimizer of the weight matrices (not the embeddings) and AdamW for the rest;
+  int8 (**int4**: 4-bit codes, two per byte); **warm start**: ``WarmStartDiLoCoAverager``,
+  gradients averaged for the first ``--warm-start`` steps, then DiLoCo; **MuLoCo**:
+  ``muloco()``, Muon (``fo.muon``) as the inner optimizer of the weight matrices (not the
+  embeddings) and AdamW for the rest;
   **SparseLoCo**: ``SparseLoCoAverager``, top-k (``--density`` per 4,096-value chunk) plus
   ``--bits``-bit codes with error feedback, outer SGD lr ``--sparse-outer-lr``. The DiLoCo
   methods copy the starting model at construction (``params=...``): the ranks start from the
@@ -134,6 +135,7 @@ METHODS: dict[str, dict[str, Any] | None] = {
     "DiLoCo": {},
     "Streaming DiLoCo": {"overlap": True},  # + fragments=P
     "DiLoCo + int8": {"compression": "int8"},
+    "DiLoCo + int4": {"compression": "int4"},
     "DiLoCo + warm start": {},  # WarmStartDiLoCoAverager(warm_start_steps=config.warm_start)
     "MuLoCo": {},  # muloco(): Muon + AdamW inner, DiLoCo outer
     "SparseLoCo": {},  # SparseLoCoAverager(density, bits, feedback_decay) from the config
@@ -162,6 +164,7 @@ def _notes(config: Config) -> dict[str, str]:
         "DiLoCo": f"{h}, {outer}",
         "Streaming DiLoCo": f"{h}, P={config.fragments}, overlapped",
         "DiLoCo + int8": f"{h}, int8 all-gather",
+        "DiLoCo + int4": f"{h}, int4 all-gather (64-element blocks)",
         "DiLoCo + warm start": f"{h}, gradients averaged for {config.warm_start} steps first",
         "MuLoCo": f"{h}, Muon (matrices) + AdamW inner, {outer}",
         **{

@@ -21,7 +21,7 @@ from compat_api.algorithms.model_averaging import (
     slowmo_averager,
 )
 from compat_api.post_localSGD_optimizer import PostLocalSGDOptimizer
-from dist_runtime.compression import INT8_BLOCK
+from dist_runtime.compression import INT4_BLOCK, INT8_BLOCK
 from dist_runtime.fragment_plan import due_fragments, fragment_offsets
 from tests._world import World
 from tests.compat_api._diloco_reference import (
@@ -244,28 +244,37 @@ def _codec_bound(compression: str, delta: torch.Tensor) -> torch.Tensor:
     flat = delta.reshape(-1)
     if compression == "bf16":
         return flat.abs() * 2.0**-8
-    n_blocks = -(-flat.numel() // INT8_BLOCK)
-    padded = torch.zeros(n_blocks * INT8_BLOCK)
+    block, levels = (INT8_BLOCK, 254) if compression == "int8" else (INT4_BLOCK, 14)
+    n_blocks = -(-flat.numel() // block)
+    padded = torch.zeros(n_blocks * block)
     padded[: flat.numel()] = flat.abs()
-    absmax = padded.view(n_blocks, INT8_BLOCK).amax(dim=1)
-    return absmax.repeat_interleave(INT8_BLOCK)[: flat.numel()] / 254
+    absmax = padded.view(n_blocks, block).amax(dim=1)
+    return absmax.repeat_interleave(block)[: flat.numel()] / levels
 
 
-@pytest.mark.parametrize("compression", ["bf16", "int8"])
+@pytest.mark.parametrize("compression", ["bf16", "int8", "int4"])
 def test_compressed_sync_within_codec_bound(world2: World, compression: str) -> None:
     results = world2.run(_run_compressed_first_sync, compression)
     (ours0, exact0, d0, _), (ours1, _, d1, _) = results
     sizes = [math.prod(shape) for shape in SHAPES]
+    # the codec's blocks run over the parameters laid end to end
+    flat0, flat1 = (torch.cat([d.reshape(-1) for d in ds]) for ds in (d0, d1))
+    bounds = ((_codec_bound(compression, flat0) + _codec_bound(compression, flat1)) / 2).split(
+        sizes
+    )
     for i in range(len(SHAPES)):
         assert torch.equal(ours0[i], ours1[i])  # every rank decodes the same mean
-        bound = (_codec_bound(compression, d0[i]) + _codec_bound(compression, d1[i])) / 2
+        bound = bounds[i]
         err = (ours0[i] - exact0[i]).reshape(-1).abs()
         assert bool((err <= bound + 8 * FP32_ULP * exact0[i].abs().reshape(-1) + 1e-12).all())
         assert float(err.max()) > 0 or sizes[i] < 3  # compression does lose something
     bytes_sent = results[0][3]
     numel = sum(sizes)
-    blocks = -(-numel // INT8_BLOCK)
-    payload = 2 * numel if compression == "bf16" else numel + 4 * blocks
+    payload = {
+        "bf16": 2 * numel,
+        "int8": numel + 4 * -(-numel // INT8_BLOCK),
+        "int4": -(-numel // 2) + 4 * -(-numel // INT4_BLOCK),
+    }[compression]
     assert bytes_sent == 4 * numel + payload  # the initial float32 average, then the payload
 
 

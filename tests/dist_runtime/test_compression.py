@@ -11,6 +11,7 @@ from dist_runtime.compression import (
     BF16_RELATIVE_ERROR,
     INT8_BLOCK,
     Bf16Codec,
+    Int4BlockwiseCodec,
     Int8BlockwiseCodec,
     dequantize_int8_blockwise,
     make_codec,
@@ -80,7 +81,7 @@ def test_bf16_relative_error_bound(seed: int, numel: int) -> None:
     assert bool((err <= BF16_RELATIVE_ERROR * values.abs()).all())
 
 
-@pytest.mark.parametrize("compression", ["bf16", "int8"])
+@pytest.mark.parametrize("compression", ["bf16", "int8", "int4"])
 def test_error_feedback_keeps_the_accumulated_error_within_one_round(compression: str) -> None:
     codec = make_codec(compression)
     assert codec is not None
@@ -101,8 +102,9 @@ def test_error_feedback_keeps_the_accumulated_error_within_one_round(compression
     torch.testing.assert_close(sent_total + residual.double(), true_total, rtol=0, atol=fp32_slack)
     with_feedback = float((sent_total - true_total).abs().max())
     without = float((naive_total - true_total).abs().max())
-    last_round_bound = float(rounds[-1].abs().max()) * (
-        BF16_RELATIVE_ERROR * 2 if compression == "bf16" else 2 / 254
+    last_round_bound = (
+        float(rounds[-1].abs().max())
+        * ({"bf16": BF16_RELATIVE_ERROR * 2, "int8": 2 / 254, "int4": 2 / 14}[compression])
     )
     assert with_feedback <= last_round_bound + fp32_slack
     assert with_feedback < without / 3  # without feedback the errors pile up
@@ -112,3 +114,31 @@ def test_unknown_compression() -> None:
     assert make_codec(None) is None
     with pytest.raises(ValueError, match="Unknown compression 'fp8'"):
         make_codec("fp8")
+
+
+@given(
+    st.integers(min_value=0, max_value=2**31),
+    st.integers(min_value=1, max_value=700),
+    st.sampled_from([2, 8, 64]),
+)
+def test_int4_error_is_at_most_half_a_step_of_its_block(seed: int, numel: int, block: int) -> None:
+    values = _values(seed, numel, 3.0)
+    codec = Int4BlockwiseCodec(block)
+    payload = codec.encode(values)
+    assert payload.dtype == torch.int8
+    assert payload.numel() == codec.payload_bytes(numel) == -(-numel // 2) + 4 * -(-numel // block)
+    decoded = codec.decode(payload, numel)
+    padded = torch.nn.functional.pad(values.abs(), (0, -numel % block))
+    step = padded.view(-1, block).amax(1).repeat_interleave(block)[:numel] / 7
+    assert bool(((decoded - values).abs() <= step / 2 * (1 + 1e-5) + 1e-30).all())
+    maxima = padded.view(-1, block).argmax(1)  # each block's largest magnitude is exact
+    for b, i in enumerate(maxima.tolist()):
+        if b * block + i < numel and float(values[b * block + i]) != 0.0:
+            assert float(decoded[b * block + i]) == pytest.approx(
+                float(values[b * block + i]), rel=1e-6
+            )
+
+
+def test_int4_block_must_be_even() -> None:
+    with pytest.raises(ValueError, match="even"):
+        Int4BlockwiseCodec(3)

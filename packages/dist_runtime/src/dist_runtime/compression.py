@@ -1,10 +1,16 @@
 """Low-precision encodings of a flat pseudo-gradient, with error feedback.
 
 A codec turns a flat tensor into the payload one rank sends and turns every rank's payload back
-into values. ``"bf16"`` rounds to bfloat16 (relative error at most ``2**-8`` per element);
-``"int8"`` splits the tensor into blocks of :data:`INT8_BLOCK` elements and sends each as int8
-codes with one float32 scale ``absmax / 127`` (absolute error at most ``absmax(block) / 254`` per
-element, plus float32 rounding). Error feedback keeps what the encoding lost on this rank
+into values:
+
+- ``"bf16"`` rounds to bfloat16 (relative error at most ``2**-8`` per element);
+- ``"int8"`` splits the tensor into blocks of :data:`INT8_BLOCK` elements and sends each as int8
+  codes with one float32 scale ``absmax / 127`` (absolute error at most ``absmax(block) / 254``
+  per element, plus float32 rounding);
+- ``"int4"`` does the same with :data:`INT4_BLOCK`-element blocks, codes in ``[-7, 7]`` packed
+  two per byte (error at most ``absmax(block) / 14``).
+
+Error feedback keeps what the encoding lost on this rank
 (``residual = value - decode(encode(value))``) and adds it to the next value sent, so the
 rounding errors do not accumulate over syncs: the decoded values summed over rounds equal the
 inputs summed minus the last residual.
@@ -24,6 +30,8 @@ __all__ = [
     "INT8_BLOCK",
     "Bf16Codec",
     "Codec",
+    "INT4_BLOCK",
+    "Int4BlockwiseCodec",
     "Int8BlockwiseCodec",
     "dequantize_int8_blockwise",
     "make_codec",
@@ -32,6 +40,8 @@ __all__ = [
 
 #: Elements per int8 block (one float32 scale each: 1.6% overhead).
 INT8_BLOCK = 256
+#: Elements per int4 block (one float32 scale each: 0.0625 bytes per value).
+INT4_BLOCK = 64
 #: Bound on ``|bf16(x) - x| / |x|`` for round-to-nearest (8 significant bits).
 BF16_RELATIVE_ERROR = 2.0**-8
 
@@ -234,6 +244,62 @@ class Int8BlockwiseCodec(Codec):
             out[full * self.block :].mul_(scales[full])
 
 
+class Int4BlockwiseCodec(Int8BlockwiseCodec):
+    """4-bit codes in ``[-7, 7]`` with a float32 scale ``absmax / 7`` per block, two codes per
+    byte (the even element in the low nibble, stored as ``code + 8``).
+
+    The payload is ``ceil(numel / 2)`` bytes of codes then the scales' bytes: half a byte per
+    value plus 4 per block. Error per element at most ``absmax(block) / 14``.
+
+    Args:
+        block: elements per block (even).
+    """
+
+    name = "int4"
+
+    def __init__(self, block: int = INT4_BLOCK) -> None:
+        if block < 2 or block % 2:
+            raise ValueError(f"block must be a positive even number, got {block}")
+        super().__init__(block)
+
+    def _code_bytes(self, numel: int) -> int:
+        return -(-numel // 2)
+
+    def payload_numel(self, numel: int) -> int:
+        return self._code_bytes(numel) + 4 * self._blocks(numel)
+
+    def encode_into(self, values: Tensor, payload: Tensor) -> None:
+        n = values.numel()
+        n_blocks = self._blocks(n)
+        padded = self._workspace(n, values.device)
+        padded[:n].copy_(values)
+        padded[n:].zero_()
+        blocks = padded.view(n_blocks, self.block)
+        low, high = torch.aminmax(blocks, dim=1)
+        scales = torch.maximum(high, low.neg_()).div_(7.0)
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        codes = blocks.div(safe[:, None]).round_().clamp_(-7, 7).add_(8).to(torch.uint8)
+        pairs = codes.view(-1, 2)[: self._code_bytes(n)]
+        packed = pairs[:, 0] | (pairs[:, 1] << 4)
+        m = self._code_bytes(n)
+        payload[:m].copy_(packed.view(torch.int8))
+        payload[m:].copy_(scales.view(torch.int8))
+
+    def decode_into(self, payload: Tensor, out: Tensor) -> None:
+        n = out.numel()
+        m = self._code_bytes(n)
+        n_blocks = self._blocks(n)
+        scales = payload[m : m + 4 * n_blocks].clone().view(torch.float32)
+        packed = payload[:m].view(torch.uint8)
+        codes = torch.stack([packed & 15, packed >> 4], dim=1).view(-1)[:n]
+        out.copy_(codes).sub_(8)
+        full = n // self.block
+        if full:
+            out[: full * self.block].view(full, self.block).mul_(scales[:full, None])
+        if full < n_blocks:
+            out[full * self.block :].mul_(scales[full])
+
+
 def make_codec(compression: str | None) -> Codec | None:
     """The codec named by ``compression`` (None: send the values as they are).
 
@@ -246,4 +312,6 @@ def make_codec(compression: str | None) -> Codec | None:
         return Bf16Codec()
     if compression == "int8":
         return Int8BlockwiseCodec()
-    raise ValueError(f"Unknown compression {compression!r}: use None, 'bf16' or 'int8'.")
+    if compression == "int4":
+        return Int4BlockwiseCodec()
+    raise ValueError(f"Unknown compression {compression!r}: use None, 'bf16', 'int8' or 'int4'.")

@@ -22,7 +22,7 @@ __all__ = [
 ]
 
 #: Accepted values of ``compression`` (None sends the pseudo-gradient in the parameters' dtype).
-COMPRESSIONS = (None, "bf16", "int8")
+COMPRESSIONS = (None, "bf16", "int8", "int4")
 
 
 def check_outer_args(
@@ -40,7 +40,7 @@ def check_outer_args(
         period: inner steps between two syncs of the same parameter.
         warmup_steps: steps before the first sync.
         fragments: number of fragments synced on staggered schedules.
-        compression: None, ``"bf16"`` or ``"int8"``.
+        compression: None, ``"bf16"``, ``"int8"`` or ``"int4"``.
         overlap: whether fragments are applied ``overlap_delay`` steps after they are sent
             (``overlap_delay`` and ``overlap_alpha`` are checked only then).
         overlap_delay: inner steps between sending a fragment and applying its outer step.
@@ -60,7 +60,7 @@ def check_outer_args(
     if compression not in COMPRESSIONS:
         raise ValueError(
             f"Unknown ``compression`` {compression!r}: use None (the parameters' dtype), "
-            "'bf16' or 'int8' (blockwise scales with error feedback)."
+            "'bf16', 'int8' or 'int4' (blockwise scales with error feedback)."
         )
     if not overlap:
         return

@@ -157,7 +157,7 @@ class PseudoGradientReducer:
 
     Args:
         process_group: the group; None for the default group.
-        compression: None, ``"bf16"`` or ``"int8"``.
+        compression: None, ``"bf16"``, ``"int8"`` or ``"int4"``.
 
     Attributes:
         bytes_sent: cumulative payload bytes this rank handed to collectives.

@@ -99,8 +99,8 @@ class DiLoCoAverager(ModelAverager):
         fragments: number of fragments, each synced at its own offset within the period.
         overlap: run each fragment's all-reduce asynchronously, applied ``overlap_delay`` inner
             steps later.
-        compression: None (the parameters' dtype), ``"bf16"`` or ``"int8"`` (blockwise scales,
-            error feedback kept in the averager's state).
+        compression: None (the parameters' dtype), ``"bf16"``, ``"int8"`` or ``"int4"``
+            (blockwise scales, error feedback kept in the averager's state).
         overlap_delay: inner steps between sending a fragment and applying it (with ``overlap``).
         overlap_alpha: weight of the local parameters in the blend (with ``overlap``; 0 makes
             the outer result overwrite them).
