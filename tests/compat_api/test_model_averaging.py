@@ -36,7 +36,11 @@ def test_public_names_exist() -> None:
     assert our_averaging_pkg.__all__ == [
         "DiLoCoAverager",
         "HierarchicalDiLoCoAverager",
+        "MuonAdamW",
+        "SparseLoCoAverager",
+        "WarmStartDiLoCoAverager",
         "default_outer",
+        "muloco",
         "slowmo_averager",
     ]
 
