@@ -2,9 +2,8 @@
 
 One ``--quick`` run feeds the smoke tests: both tables with every row and column, finite
 numbers, torch's rows as the baseline, peers either measured or reported with their error (they
-are optional: without torchao / bitsandbytes their rows say "not installed"). Our rows are
-checked when ``fo.adamw8bit`` exists and skipped (with the reason) before it does. The state
-byte counter and the row checks are tested directly.
+are optional: without torchao / bitsandbytes their rows say "not installed"); our rows must be
+measured. The state byte counter and the row checks are tested directly.
 """
 
 from __future__ import annotations
@@ -120,8 +119,6 @@ def test_peer_rows_are_measured_or_report_their_error(
 
 
 def test_our_rows(bench: ModuleType, quick: dict[str, Any]) -> None:
-    if not hasattr(fo, "adamw8bit"):
-        pytest.skip("fo.adamw8bit does not exist yet (issue 24): our rows are not there to check")
     for row in (r for r in bench.ROWS if r.library == "ours"):
         assert row.label not in quick["not_run"], quick["not_run"][row.label]
         *steps, quality = _rows(quick, row.label)

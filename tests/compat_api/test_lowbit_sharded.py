@@ -44,13 +44,23 @@ def _grads(step: int) -> list[torch.Tensor]:
     return [torch.randn(s, generator=gen) * (1 + i) for i, s in enumerate(SHAPES)]
 
 
+def _train(opt: Any, params: list[Any], steps: range, shard: bool = False) -> None:
+    """Give ``params`` the gradients of ``steps`` (as ``Shard(0)`` DTensors with ``shard``)
+    and step ``opt`` after each."""
+    for step in steps:
+        for p, g in zip(params, _grads(step), strict=True):
+            if shard:
+                from torch.distributed.tensor import Shard, distribute_tensor
+
+                g = distribute_tensor(g, p.device_mesh, [Shard(0)])
+            p.grad = g
+        opt.step()
+
+
 def _reference(kind: str) -> list[torch.Tensor]:
     params = [torch.nn.Parameter(p) for p in _params()]
     opt = LowbitAdamW(params, kind=kind)
-    for step in range(STEPS):
-        for p, g in zip(params, _grads(step), strict=True):
-            p.grad = g
-        opt.step()
+    _train(opt, params, range(STEPS))
     return [p.detach() for p in params]
 
 
@@ -63,10 +73,7 @@ def _zero_case(rank: int, world_size: int, kind: str, partition: str) -> list[in
     expected = _reference(kind)
     params = [torch.nn.Parameter(p) for p in _params()]
     zero = ZeroRedundancyOptimizer(params, LowbitAdamW, partition=partition, lr=1e-2, kind=kind)
-    for step in range(STEPS):
-        for p, g in zip(params, _grads(step), strict=True):
-            p.grad = g
-        zero.step()
+    _train(zero, params, range(STEPS))
     return _mismatches([p.detach() for p in params], expected)
 
 
@@ -79,10 +86,7 @@ def _dtensor_case(rank: int, world_size: int, kind: str) -> list[int]:
     mesh = init_device_mesh("cpu", (world_size,))
     params = [torch.nn.Parameter(distribute_tensor(p, mesh, [Shard(0)])) for p in _params()]
     opt = LowbitAdamW(params, kind=kind)
-    for step in range(STEPS):
-        for p, g in zip(params, _grads(step), strict=True):
-            p.grad = distribute_tensor(g, mesh, [Shard(0)])
-        opt.step()
+    _train(opt, params, range(STEPS), shard=True)
     return _mismatches([p.full_tensor().detach() for p in params], expected)
 
 
@@ -135,10 +139,7 @@ def test_zero_flat_three_ranks_bitwise(world3: World, kind: str) -> None:
 def _reference_state(kind: str, steps: int) -> tuple[list[torch.Tensor], dict[str, Any]]:
     params = [torch.nn.Parameter(p) for p in _params()]
     opt = LowbitAdamW(params, kind=kind)
-    for step in range(steps):
-        for p, g in zip(params, _grads(step), strict=True):
-            p.grad = g
-        opt.step()
+    _train(opt, params, range(steps))
     return [p.detach() for p in params], opt.state_dict()
 
 
@@ -148,10 +149,7 @@ def _consolidate_case(rank: int, world_size: int, kind: str) -> list[str]:
     _, expected = _reference_state(kind, 2)
     params = [torch.nn.Parameter(p) for p in _params()]
     zero = ZeroRedundancyOptimizer(params, LowbitAdamW, partition="flat", lr=1e-2, kind=kind)
-    for step in range(2):
-        for p, g in zip(params, _grads(step), strict=True):
-            p.grad = g
-        zero.step()
+    _train(zero, params, range(2))
     zero.consolidate_state_dict(to=0)
     if rank != 0:
         return []
@@ -172,10 +170,7 @@ def _reshard_case(rank: int, world_size: int, kind: str) -> list[int]:
     params = [torch.nn.Parameter(p.clone()) for p in start]
     zero = ZeroRedundancyOptimizer(params, LowbitAdamW, partition="flat", lr=1e-2, kind=kind)
     zero.load_state_dict(saved)
-    for step in range(2, 4):
-        for p, g in zip(params, _grads(step), strict=True):
-            p.grad = g
-        zero.step()
+    _train(zero, params, range(2, 4))
     return _mismatches([p.detach() for p in params], expected)
 
 
@@ -193,10 +188,7 @@ def _save_case(rank: int, world_size: int, kind: str, root: str) -> None:
     lowbit_transform.BATCH_ELEMENTS = 256
     params = [torch.nn.Parameter(p) for p in _params()]
     zero = ZeroRedundancyOptimizer(params, LowbitAdamW, partition="flat", lr=1e-2, kind=kind)
-    for step in range(2):
-        for p, g in zip(params, _grads(step), strict=True):
-            p.grad = g
-        zero.step()
+    _train(zero, params, range(2))
     zero.save_sharded(root)
 
 
@@ -207,10 +199,7 @@ def _load_case(rank: int, world_size: int, kind: str, root: str) -> list[int]:
     params = [torch.nn.Parameter(p.clone()) for p in start]
     zero = ZeroRedundancyOptimizer(params, LowbitAdamW, partition="flat", lr=1e-2, kind=kind)
     zero.load_sharded(root)
-    for step in range(2, 4):
-        for p, g in zip(params, _grads(step), strict=True):
-            p.grad = g
-        zero.step()
+    _train(zero, params, range(2, 4))
     return _mismatches([p.detach() for p in params], expected)
 
 
@@ -230,10 +219,7 @@ def test_sharded_checkpoint_two_ranks_to_three_and_one(
         params = [torch.nn.Parameter(p.clone()) for p in start]
         opt = LowbitAdamW(params, kind=kind)
         load_plain_optimizer(root, opt)
-        for step in range(2, 4):
-            for p, g in zip(params, _grads(step), strict=True):
-                p.grad = g
-            opt.step()
+        _train(opt, params, range(2, 4))
         assert _mismatches([p.detach() for p in params], expected) == []
     finally:
         lowbit_transform.BATCH_ELEMENTS = 1 << 18
@@ -288,10 +274,7 @@ def _dsd_save_case(rank: int, world_size: int, kind: str, root: str) -> None:
     model = _holder(_params())
     params = list(model.parameters())
     zero = ZeroRedundancyOptimizer(params, LowbitAdamW, partition="flat", lr=1e-2, kind=kind)
-    for step in range(2):
-        for p, g in zip(params, _grads(step), strict=True):
-            p.grad = g
-        zero.step()
+    _train(zero, params, range(2))
     dcp.save({"optim": get_optimizer_state_dict(model, zero)}, checkpoint_id=root)
 
 
@@ -311,10 +294,7 @@ def _dsd_load_case(rank: int, world_size: int, kind: str, root: str) -> list[int
     target = get_optimizer_state_dict(model, zero)
     dcp.load({"optim": target}, checkpoint_id=root)
     set_optimizer_state_dict(model, zero, target)
-    for step in range(2, 4):
-        for p, g in zip(params, _grads(step), strict=True):
-            p.grad = g
-        zero.step()
+    _train(zero, params, range(2, 4))
     return _mismatches([p.detach() for p in params], expected)
 
 
@@ -337,15 +317,11 @@ def _dtensor_params(world_size: int, full: list[torch.Tensor]) -> list[torch.nn.
 
 def _dcp_save_case(rank: int, world_size: int, kind: str, root: str) -> None:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.tensor import Shard, distribute_tensor
 
     lowbit_transform.BATCH_ELEMENTS = 256
     params = _dtensor_params(world_size, _params())
     opt = LowbitAdamW(params, kind=kind)
-    for step in range(2):
-        for p, g in zip(params, _grads(step), strict=True):
-            p.grad = distribute_tensor(g, p.device_mesh, [Shard(0)])
-        opt.step()
+    _train(opt, params, range(2), shard=True)
     dcp.save({"optim": opt.state_dict()}, checkpoint_id=root)
 
 
@@ -366,10 +342,7 @@ def _dcp_load_case(rank: int, world_size: int, kind: str, root: str) -> list[int
     opt.load_state_dict(template)
     for group in opt.param_groups:
         group["lr"] = 1e-2
-    for step in range(2, 4):
-        for p, g in zip(params, _grads(step), strict=True):
-            p.grad = distribute_tensor(g, p.device_mesh, [Shard(0)])
-        opt.step()
+    _train(opt, params, range(2, 4), shard=True)
     return _mismatches([p.full_tensor().detach() for p in params], expected)
 
 

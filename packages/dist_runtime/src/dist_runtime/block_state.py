@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from functional_optim.lowbit import elements_to_region, region_to_elements
+from functional_optim.lowbit import touched_blocks as lowbit_touched_blocks
 
 __all__ = [
     "BlockFormat",
@@ -54,8 +55,7 @@ def is_blockwise(name: str, state: Mapping[str, Any]) -> bool:
 
 
 def _blocks(start: int, stop: int, fmt: BlockFormat) -> tuple[int, int]:
-    first = start // fmt.block_size
-    return first, -(-stop // fmt.block_size) if stop > start else first
+    return lowbit_touched_blocks(start, stop, fmt.block_size)
 
 
 def join_blockwise(

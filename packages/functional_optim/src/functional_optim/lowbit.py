@@ -12,7 +12,7 @@
 
 from functional_optim._lowbit.convert import dequantized_state_dict, quantized_state_dict
 from functional_optim._lowbit.layout import Placement, Sharing, sharing_context
-from functional_optim._lowbit.regions import elements_to_region, region_to_elements
+from functional_optim._lowbit.regions import elements_to_region, region_to_elements, touched_blocks
 from functional_optim._lowbit.transform import quantized_state
 
 __all__ = [
@@ -24,4 +24,5 @@ __all__ = [
     "quantized_state_dict",
     "region_to_elements",
     "sharing_context",
+    "touched_blocks",
 ]

@@ -9,6 +9,7 @@ them back into the piece's blocks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
@@ -82,7 +83,7 @@ def lowbit_state_view(
             converted[tensor] = state
             continue
         entry = dict(state)
-        blocks = -(-_numel(piece.shape) // fmt.block_size)
+        blocks = -(-math.prod(piece.shape) // fmt.block_size)
         for key in _keys(state):
             at = offsets[(piece.param_index, key)]
             entry[key + _CODES] = elementwise_codes(
@@ -91,13 +92,6 @@ def lowbit_state_view(
             entry[key + _SCALES] = full[at : at + blocks].clone()
         converted[tensor] = entry
     return SimpleNamespace(state=converted)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    total = 1
-    for size in shape:
-        total *= size
-    return total
 
 
 def lowbit_pieces_from_dsd(

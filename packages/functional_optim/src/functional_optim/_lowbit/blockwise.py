@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from functional_optim._lowbit.codes import CodeMap, decode_codes, encode_normalised
+from functional_optim._lowbit.codes import CodeMap, _on, decode_codes, encode_normalised
 
 __all__ = ["RunCodec", "block_absmax", "code_bytes", "dequantize", "quantize"]
 
@@ -93,7 +93,7 @@ class RunCodec:
         """The fp32 values of elements ``[start, stop)`` (whole blocks), a new tensor."""
         run = codes[start // self.per_byte : stop // self.per_byte]
         blocks = scales[start // self.bs : stop // self.bs]
-        table = _device_copy(self.cmap.table, codes.device)
+        table = _on(self.cmap.table, codes.device)
         decode = self._decode if stop - start == self.compiled_run else decode_run
         return decode(run, blocks, table, self.bs, self.packed, self.fp8)
 
@@ -118,20 +118,7 @@ class RunCodec:
     def _tables(self, device: torch.device) -> tuple[Tensor, Tensor]:
         if self.fp8:
             return self.cmap.base, self.cmap.split
-        return _device_copy(self.cmap.base, device), _device_copy(self.cmap.split, device)
-
-
-_DEVICE_COPIES: dict[tuple[int, torch.device], Tensor] = {}
-
-
-def _device_copy(t: Tensor, device: torch.device) -> Tensor:
-    if t.device == device:
-        return t
-    key = (id(t), device)
-    copy = _DEVICE_COPIES.get(key)
-    if copy is None:
-        copy = _DEVICE_COPIES[key] = t.to(device)
-    return copy
+        return _on(self.cmap.base, device), _on(self.cmap.split, device)
 
 
 def dequantize(
@@ -155,8 +142,8 @@ def quantize(
     blocks)."""
     first = start // block_size
     scales[first : first + absmax.numel()] = absmax
-    base = _device_copy(cmap.base, values.device) if cmap.kind != "fp8" else cmap.base
-    split = _device_copy(cmap.split, values.device) if cmap.kind != "fp8" else cmap.split
+    base = _on(cmap.base, values.device) if cmap.kind != "fp8" else cmap.base
+    split = _on(cmap.split, values.device) if cmap.kind != "fp8" else cmap.split
     new = encode_run(values, absmax, base, split, block_size, cmap.bits == 4, cmap.kind == "fp8")
     at = start // 2 if cmap.bits == 4 else start
     codes[at : at + new.numel()] = new

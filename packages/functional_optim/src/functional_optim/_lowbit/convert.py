@@ -114,10 +114,7 @@ def quantized_state_dict(
             blocks = -(-value.numel() // block_size)
             region = torch.zeros(blocks * block_size, dtype=torch.float32, device=value.device)
             region[: value.numel()] = value.reshape(-1)
-            zero = cmap.zero | (cmap.zero << 4) if cmap.bits == 4 else cmap.zero
-            codes = torch.full(
-                (blockwise.code_bytes(region.numel(), cmap),), zero, dtype=torch.uint8
-            )
+            codes = torch.zeros(blockwise.code_bytes(region.numel(), cmap), dtype=torch.uint8)
             scales = torch.zeros(blocks)
             absmax = blockwise.block_absmax(region, block_size)
             blockwise.quantize(region, absmax, cmap, codes, scales, block_size, 0)

@@ -21,6 +21,7 @@ whole parameter.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
@@ -32,6 +33,7 @@ __all__ = [
     "Placement",
     "Sharing",
     "active_sharing",
+    "cached_layout",
     "sharing_context",
 ]
 
@@ -169,3 +171,11 @@ class GroupLayout:
         if start < self.elements:
             batches.append(Batch(start, self.elements, tuple(pieces)))
         return batches
+
+
+@functools.lru_cache(maxsize=64)
+def cached_layout(
+    sizes: tuple[int, ...], placements: tuple[Placement, ...], block_size: int, batch: int
+) -> GroupLayout:
+    """The :class:`GroupLayout` of a group, made once per layout (a step reuses it)."""
+    return GroupLayout(sizes, placements, block_size, batch)

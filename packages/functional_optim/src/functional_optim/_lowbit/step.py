@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from functional_optim._lowbit import blockwise
-from functional_optim._lowbit.layout import GroupLayout
+from functional_optim._lowbit.layout import cached_layout
 from functional_optim._lowbit.placements import group_placements
 from functional_optim._lowbit.state_tree import (
     FieldRef,
@@ -53,7 +53,6 @@ def _flat(
     quant: list[bool],
     sizes: list[int],
     total: int,
-    fill: int,
     dtype: torch.dtype,
     device: torch.device,
 ) -> tuple[Tensor, list[Tensor | None]]:
@@ -80,7 +79,7 @@ def _flat(
         ):
             flat = torch.empty(0, dtype=dtype, device=device).set_(storage, base, (total,), (1,))
             return flat, leaves
-    flat = torch.full((total,), fill, dtype=dtype, device=device)
+    flat = torch.zeros(total, dtype=dtype, device=device)  # code 0 / scale 0: zeros
     out: list[Tensor | None] = list(leaves)
     for j, t in enumerate(leaves):
         if quant[j] and t is not None:
@@ -162,7 +161,7 @@ def quantized_step(spec: Any, params: Any, grads: Any, state: Any) -> Any:
     sizes = [p.numel() if q else 0 for p, q in zip(leaves, quant, strict=True)]
     compiled = spec.compiled(sum(sizes), leaves)
     batch = spec.batch * COMPILED_BATCH_FACTOR if compiled else spec.batch
-    layout = GroupLayout(sizes, placements, spec.bs, batch)
+    layout = cached_layout(tuple(sizes), tuple(placements), spec.bs, batch)
     run = _Run(spec, leaves, g_leaves, inner, moments, tree)
     cmaps = [spec.cmap(r) for r in run.moment_refs]
     codecs = [spec.codec(cmap, batch if compiled else 0) for cmap in cmaps]
@@ -174,13 +173,12 @@ def quantized_step(spec: Any, params: Any, grads: Any, state: Any) -> Any:
         c_leaves, s_leaves, run.fp32[k] = spec.check_fit(
             ref, leaves, quant, layout, c_leaves, s_leaves, run.fp32[k]
         )
-        zero = cmap.zero | (cmap.zero << 4) if cmap.bits == 4 else cmap.zero
         runs = [blockwise.code_bytes(layout.region[j][1], cmap) for j in range(len(leaves))]
         total = blockwise.code_bytes(layout.elements, cmap)
-        cf, c_leaves = _flat(c_leaves, quant, runs, total, zero, torch.uint8, device)
+        cf, c_leaves = _flat(c_leaves, quant, runs, total, torch.uint8, device)
         blocks = [b[1] for b in layout.blocks]
         total = layout.elements // spec.bs
-        sf, s_leaves = _flat(s_leaves, quant, blocks, total, 0, torch.float32, device)
+        sf, s_leaves = _flat(s_leaves, quant, blocks, total, torch.float32, device)
         codes.append(c_leaves)
         scales.append(s_leaves)
         codes_flat.append(cf)

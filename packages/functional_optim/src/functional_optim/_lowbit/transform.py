@@ -114,10 +114,9 @@ class _Spec:
         return place.numel >= max(self.min_size, 2)
 
     def empty_codes(self, ref: FieldRef, elements: int, device: torch.device) -> Tensor:
-        cmap = self.cmap(ref)
-        zero = cmap.zero | (cmap.zero << 4) if cmap.bits == 4 else cmap.zero
-        size = blockwise.code_bytes(elements, cmap)
-        return torch.full((size,), zero, dtype=torch.uint8, device=device)
+        """Codes of ``elements`` zeros (code 0 is exact zero in every map)."""
+        size = blockwise.code_bytes(elements, self.cmap(ref))
+        return torch.zeros(size, dtype=torch.uint8, device=device)
 
     def check_fit(
         self,
@@ -133,7 +132,6 @@ class _Spec:
         was laid out otherwise (another sharding, block size or threshold) is laid out anew
         if its state is still initial, else refused."""
         cmap = self.cmap(ref)
-        zero = cmap.zero | (cmap.zero << 4) if cmap.bits == 4 else cmap.zero
         codes, scales, fp32 = list(codes), list(scales), list(fp32)
         for j, p in enumerate(params):
             c, s, f = codes[j], scales[j], fp32[j]
@@ -152,7 +150,7 @@ class _Spec:
                 ok = c is None and s is None and (f is None or f.shape == p.shape)
             if ok:
                 continue
-            if not _pristine(c, s, f, zero=zero):
+            if not _pristine(c, s, f):
                 raise ValueError(
                     f"the {ref.key!r} state of param {j} was laid out for another sharding, "
                     f"block size or min_size than this step's (block_size={self.bs}, "
@@ -265,14 +263,12 @@ def _materialise(inner: OptState, leaves: Sequence[Tensor]) -> OptState:
     )
 
 
-def _pristine(*tensors: Any, zero: int = 0) -> bool:
-    """Whether the given state tensors still hold their initial values."""
-    for t in tensors:
-        if isinstance(t, Tensor) and t.numel():
-            expect = zero if t.dtype == torch.uint8 else 0
-            if not bool(t.eq(expect).all()):
-                return False
-    return True
+def _pristine(*tensors: Any) -> bool:
+    """Whether the given state tensors still hold their initial values (all zero: code 0 is
+    exact zero)."""
+    return all(
+        not isinstance(t, Tensor) or not t.numel() or not bool(t.ne(0).any()) for t in tensors
+    )
 
 
 @transform_factory
