@@ -285,6 +285,36 @@ def test_fsdp_tp_mesh_matches_unsharded(world4: World) -> None:
         assert world4.run(_check_vs_unsharded, case, True) == [True] * 4, case
 
 
+def _check_muon_tp(rank: int, world_size: int) -> tuple[list[float], list[str]]:
+    """fo.muon on the FSDP + TP matrices vs torch's Muon on the unsharded ones, fed the same
+    (full) gradients: the largest difference per matrix, and the matrices' placements."""
+    model, ref = _tp_fsdp_model(), _plain_model(widths=TP_WIDTHS)
+    mats = [p for p in model.parameters() if p.dim() == 2]
+    ref_mats = [p for p in ref.parameters() if p.dim() == 2]
+    args = {"lr": 0.05, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}
+    opt, ref_opt = fo.Optimizer(mats, fo.muon(**args)), torch.optim.Muon(ref_mats, **args)
+    for step in range(3):
+        _backward(model, step)
+        for p, q in zip(mats, ref_mats, strict=True):
+            q.grad = p.grad.full_tensor()  # type: ignore[union-attr]
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+    diffs = [
+        float((p.full_tensor() - q).detach().abs().max())  # type: ignore[operator]
+        for p, q in zip(mats, ref_mats, strict=True)
+    ]
+    return diffs, [str(tuple(p.placements)) for p in mats]  # type: ignore[attr-defined]
+
+
+def test_fsdp_tp_muon_matches_torch_bitwise(world4: World) -> None:
+    for diffs, placements in world4.run(_check_muon_tp):
+        assert diffs == [0.0] * len(diffs), (diffs, placements)
+        # column-parallel under FSDP: a strided row shard; row-parallel: rows and columns
+        assert any("_StridedShard(dim=0" in pl for pl in placements), placements
+        assert any("Shard(dim=1)" in pl for pl in placements), placements
+
+
 # -- plain tensors: nothing changes (single process) -------------------------------------------
 
 

@@ -146,6 +146,7 @@ from functional_optim._transforms.optax_misc import (
     set_to_zero,
     zero_nans,
 )
+from functional_optim._transforms.per_matrix import PerMatrixState, per_matrix
 from functional_optim._transforms.rms import (
     ScaleByAdadeltaState,
     ScaleByAdagradState,
@@ -231,6 +232,7 @@ __all__ = [
     "MultiTransformState",
     "OptState",
     "Optimizer",
+    "PerMatrixState",
     "PureStepFn",
     "ScaleByAdadeltaState",
     "ScaleByAdafactorState",
@@ -311,6 +313,7 @@ __all__ = [
     "noisy_sgd",
     "novograd",
     "on_algorithm_registered",
+    "per_matrix",
     "piecewise_constant_schedule",
     "piecewise_interpolate_schedule",
     "polynomial_schedule",

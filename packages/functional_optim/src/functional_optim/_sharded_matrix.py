@@ -1,136 +1,57 @@
-"""Muon on FSDP2 shards: each matrix orthogonalised once, on one owner rank.
+"""Muon on sharded DTensor matrices: each matrix orthogonalised once, on one owner rank.
 
-Newton-Schulz reads a whole matrix, so it cannot run on a row shard. ``fo.muon``'s kernel is
+Newton-Schulz reads a whole matrix, so it cannot run on a shard. ``fo.muon``'s kernel is
 wrapped (:func:`shards_matrices`) so that, inside ``fo.Optimizer``'s local step of DTensor
-params (:mod:`functional_optim._sharded_params` installs :func:`outer_params`), the sharded
+params (:mod:`functional_optim._sharded_params` installs ``outer_params``), the sharded
 matrices of a step go through :func:`muon_on_shards`:
 
 1. the momentum is updated element-wise on the local shards (it stays sharded);
-2. every matrix gets one owner rank (:func:`assign_owners`: a balanced greedy assignment by
-   cost ``m * n * min(m, n)``, the same on every rank);
-3. the local shards of the direction, cast to bfloat16 (the dtype Newton-Schulz computes in:
-   the cast is element-wise, so the owner sees exactly the cast of the full matrix), travel to
-   their owners in one ``all_to_all_single``;
-4. each owner orthogonalises its matrices and a second ``all_to_all_single`` returns the rows
-   of the result to the ranks that hold them;
-5. every rank applies the decay and the (shape-adjusted) step to its local shards.
+2. the local blocks of the direction, cast to bfloat16 (the dtype Newton-Schulz computes in:
+   the cast is element-wise, so the owner sees exactly the cast of the full matrix), go to
+   their owner ranks and come back orthogonalised (:func:`functional_optim._owner_compute.
+   owner_map`: cost-balanced owners, batched ``all_to_all``, communication overlapped with
+   Newton-Schulz; FSDP2 ``Shard(0)``, tensor-parallel ``Shard(0|1)`` on 2-D meshes);
+3. every rank applies the decay and the (shape-adjusted) step to its local shards.
 
 The owner runs the unsharded maths on the unsharded input, so the result is bitwise that of
-``torch.optim.Muon`` on the full tensors. The collectives go through
-``torch.ops._c10d_functional`` (this package never imports ``torch.distributed``). Every rank
-must step the same matrices (the params with a gradient), as FSDP2 guarantees.
+``torch.optim.Muon`` on the full tensors. Every rank must step the same matrices (the params
+with a gradient), as FSDP2 guarantees; the first step checks it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from functional_optim._aliases._kernel_spec import KernelSpec
+from functional_optim._owner_compute import (
+    check_matrix_group,
+    is_sharded,
+    outer_of,
+    owner_map,
+    prepare,
+)
 from functional_optim.kernels.muon import adjusted_lr_ratio, newton_schulz
 
-__all__ = ["assign_owners", "check_muon_placements", "outer_params", "shards_matrices"]
-
-#: the contexts installed, innermost last: ``id(local param) -> DTensor param``
-_ACTIVE: list[dict[int, Any]] = []
-
-#: ``(shapes, world size) -> owners`` (a model steps the same matrices every step)
-_OWNERS: dict[tuple[tuple[tuple[int, int], ...], int], list[int]] = {}
+__all__ = ["check_muon_placements", "muon_on_shards", "shards_matrices"]
 
 #: ``(base spec, its wrapped copy)`` by ``id(base spec)``
 _SPECS: dict[int, tuple[KernelSpec, KernelSpec]] = {}
 
-#: ``mesh -> its process group's name``
-_GROUP_NAMES: dict[Any, str] = {}
-
 _WIRE = torch.bfloat16  # Newton-Schulz's dtype: what travels
 
 
-@contextlib.contextmanager
-def outer_params(by_local: dict[int, Any]) -> Iterator[None]:
-    """Install ``id(local param) -> DTensor param`` for the duration of a local step.
-
-    Args:
-        by_local: the group's DTensor params by the id of their local tensors.
-    """
-    _ACTIVE.append(by_local)
-    try:
-        yield
-    finally:
-        _ACTIVE.pop()
-
-
-def _is_sharded(p: Any) -> bool:
-    return any(not placement.is_replicate() for placement in p.placements)
-
-
 def check_muon_placements(i: int, params: Sequence[Any]) -> None:
-    """Raise unless every sharded DTensor of group ``i`` is ``Shard(0)`` on a 1-D mesh.
+    """Check group ``i``'s sharded matrices before its first step (a collective).
 
     Raises:
-        ValueError: naming the first param with another layout.
+        ValueError: see :func:`functional_optim._owner_compute.check_matrix_group`.
     """
-    for k, p in enumerate(params):
-        if not _is_sharded(p):
-            continue
-        placements = tuple(p.placements)
-        first = placements[0]
-        strided = type(first).__name__ == "_StridedShard"
-        if len(placements) != 1 or strided or not first.is_shard(0):
-            raise ValueError(
-                f"param {k} of param group {i} has placements {placements} on a "
-                f"{len(placements)}-D device mesh; Muon orthogonalises whole matrices and steps "
-                "sharded params with Shard(0) on a 1-D mesh (FSDP2) only"
-            )
-
-
-def row_counts(rows: int, world: int) -> list[int]:
-    """The rows of each rank's ``Shard(0)`` chunk (``torch.chunk`` sizes, then empty ones)."""
-    chunk = -(-rows // world)
-    return [max(0, min(rows, (s + 1) * chunk) - min(rows, s * chunk)) for s in range(world)]
-
-
-def assign_owners(shapes: Sequence[tuple[int, int]], world: int) -> list[int]:
-    """The rank that orthogonalises each matrix: largest cost ``m * n * min(m, n)`` first,
-    each onto the least-loaded rank (the lowest rank on ties). Deterministic.
-
-    Args:
-        shapes: the matrices' global shapes.
-        world: the number of ranks.
-
-    Returns:
-        One owner rank per matrix.
-    """
-    key = (tuple(shapes), world)
-    owners = _OWNERS.get(key)
-    if owners is None:
-        costs = [m * n * min(m, n) for m, n in shapes]
-        owners = [0] * len(shapes)
-        loads = [0] * world
-        for j in sorted(range(len(shapes)), key=lambda j: (-costs[j], j)):
-            rank = min(range(world), key=lambda s: (loads[s], s))
-            owners[j] = rank
-            loads[rank] += costs[j]
-        _OWNERS[key] = owners
-    return owners
-
-
-def _all_to_all(send: Tensor, out_splits: list[int], in_splits: list[int], group: str) -> Tensor:
-    """One ``all_to_all_single`` of a flat bfloat16 tensor."""
-    ops = torch.ops._c10d_functional
-    out = ops.all_to_all_single(send, out_splits, in_splits, group)
-    return ops.wait_tensor(out)  # type: ignore[no-any-return]
-
-
-def _flat_cat(parts: list[Tensor], device: torch.device) -> Tensor:
-    if not parts:
-        return torch.empty(0, dtype=_WIRE, device=device)
-    return torch.cat([t.reshape(-1) for t in parts])
+    check_matrix_group(i, params, "Muon")
 
 
 def _apply(param: Tensor, ortho: Tensor, lr: float | Tensor, wd: float, ratio: float) -> None:
@@ -158,59 +79,26 @@ def muon_on_shards(
     eps: float,
     adjust_lr_fn: str | None,
 ) -> None:
-    """Muon on the local ``Shard(0)`` shards of matrices of one 1-D mesh (see the module).
+    """Muon on the local blocks of sharded matrices of one mesh (see the module).
 
     Args:
         params: the local shards.
         outer: their DTensor params.
         grads, momentum_buffers, ...: as ``kernels.muon`` (local shards).
     """
-    mesh = outer[0].device_mesh
-    world, rank = mesh.size(), mesh.get_local_rank()
-    group = _GROUP_NAMES.get(mesh)
-    if group is None:
-        group = _GROUP_NAMES[mesh] = mesh.get_group(0).group_name
-    shapes = [(int(p.shape[0]), int(p.shape[1])) for p in outer]
-    owners = assign_owners(shapes, world)
-    counts = [row_counts(m, world) for m, _ in shapes]
-    device = params[0].device
-
+    prepare(outer, "Muon")  # the first step's checks, before anything changes
     directions: list[Tensor] = []
     for g, buf in zip(grads, momentum_buffers, strict=True):
         buf.lerp_(g, 1 - momentum)
-        direction = g.lerp(buf, momentum) if nesterov else buf
-        directions.append(direction.to(_WIRE))
+        directions.append(g.lerp(buf, momentum) if nesterov else buf)
 
-    by_dest: list[list[int]] = [[] for _ in range(world)]
-    for j, owner in enumerate(owners):
-        by_dest[owner].append(j)
-    in_splits = [sum(directions[j].numel() for j in js) for js in by_dest]
-    mine = by_dest[rank]
-    out_splits = [sum(counts[j][s] * shapes[j][1] for j in mine) for s in range(world)]
-    send = _flat_cat([directions[j] for js in by_dest for j in js], device)
-    received = _all_to_all(send, out_splits, in_splits, group)
+    def orthogonalised(j: int, whole: Tensor) -> Tensor:
+        del j
+        return newton_schulz(whole, ns_coefficients, ns_steps, eps)
 
-    sizes = [counts[j][s] * shapes[j][1] for s in range(world) for j in mine]
-    pieces = iter(torch.split_with_sizes(received, sizes))
-    rows: dict[int, list[Tensor]] = {j: [] for j in mine}
-    for _ in range(world):
-        for j in mine:
-            rows[j].append(next(pieces))
-    back: list[list[Tensor]] = [[] for _ in range(world)]
-    for j in mine:
-        full = torch.cat(rows[j]).view(shapes[j])
-        ortho = newton_schulz(full, ns_coefficients, ns_steps, eps)
-        for s, part in enumerate(torch.split_with_sizes(ortho, counts[j])):
-            back[s].append(part)
-    returned = _all_to_all(
-        _flat_cat([t for parts in back for t in parts], device), in_splits, out_splits, group
-    )
-
-    order = [j for js in by_dest for j in js]
-    local = torch.split_with_sizes(returned, [directions[j].numel() for j in order])
-    for j, piece in zip(order, local, strict=True):
-        ratio = adjusted_lr_ratio(adjust_lr_fn, shapes[j][0], shapes[j][1])
-        _apply(params[j], piece.view(params[j].shape), lr, weight_decay, ratio)
+    for j, ortho in owner_map(directions, outer, orthogonalised, _WIRE, name="Muon"):
+        rows, cols = int(outer[j].shape[0]), int(outer[j].shape[1])
+        _apply(params[j], ortho, lr, weight_decay, adjusted_lr_ratio(adjust_lr_fn, rows, cols))
 
 
 def _pick(xs: Sequence[Any], keep: list[int]) -> list[Any]:
@@ -256,9 +144,8 @@ def shards_matrices(spec: KernelSpec) -> KernelSpec:
         adjust_lr_fn: str | None,
         impl: str = "auto",
     ) -> None:
-        by_local = _ACTIVE[-1] if _ACTIVE else None
-        outer = [None] * len(params) if by_local is None else [by_local.get(id(p)) for p in params]
-        sharded = [k for k, d in enumerate(outer) if d is not None and _is_sharded(d)]
+        outer = outer_of(params)
+        sharded = [k for k, d in enumerate(outer) if is_sharded(d)]
         if not sharded:
             base(
                 params, grads, momentum_buffers, lr, weight_decay, momentum, nesterov,

@@ -25,13 +25,15 @@ import torch
 from torch import Tensor
 
 from functional_optim._base import OptState, StepFn
+from functional_optim._owner_compute import check_matrix_group, outer_params
 from functional_optim._shard_context import ShardInfo, shard_context
 from functional_optim._sharded_adafactor import check_row_placements
-from functional_optim._sharded_matrix import check_muon_placements, outer_params
+from functional_optim._sharded_matrix import check_muon_placements
 from functional_optim._transforms.adafactor import ScaleByAdafactorState
 from functional_optim._transforms.lbfgs import LbfgsState
 from functional_optim._transforms.muon import ScaleByMuonState
 from functional_optim._transforms.optax_layerwise import ScaleBySM3State
+from functional_optim._transforms.per_matrix import PerMatrixState
 from functional_optim._tree import NAMESPACE, NONE_IS_LEAF
 
 __all__ = ["ShardedGroups", "is_dtensor"]
@@ -99,6 +101,8 @@ def _check_group(
     muon = fused and any(isinstance(n, ScaleByMuonState) for n in nodes)
     if muon:
         check_muon_placements(i, params)
+    elif fused and _has(nodes, PerMatrixState):
+        check_matrix_group(i, params, "per_matrix")
     # Adafactor and SM3 finish their statistics over FSDP2 row shards in a local step
     rows = tuple(t for t in (ScaleByAdafactorState, ScaleBySM3State) if fused and _has(nodes, t))
     for kind in rows:

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from functional_optim._lowbit.layout import Placement, active_sharing
+from functional_optim._owner_compute import _ACTIVE as _OUTER_PARAMS
 from functional_optim._shard_context import _group_names
-from functional_optim._sharded_matrix import _ACTIVE as _OUTER_PARAMS
 from functional_optim._sharded_params import is_dtensor
 
 __all__ = ["group_placements"]
