@@ -154,6 +154,7 @@ def _trace_collectives(rank: int, world_size: int) -> tuple[list[str], float]:
 
     placements = [[Shard(0)]] * len(SHAPES)
     results = []
+    owner_compute.MIN_BATCH_BYTES = 0  # batch these small matrices too
     for batches in (owner_compute.MAX_BATCHES, 1):
         owner_compute.MAX_BATCHES = batches
         owner_compute._PLANS.clear()
@@ -166,6 +167,7 @@ def _trace_collectives(rank: int, world_size: int) -> tuple[list[str], float]:
             owner_compute._start, owner_compute._wait = start, wait  # type: ignore
             owner_compute.MAX_BATCHES = 4
             owner_compute._PLANS.clear()
+    owner_compute.MIN_BATCH_BYTES = 1 << 20
     return results[0][: len(results[0]) // STEPS], float(len(results[1]) // STEPS)
 
 

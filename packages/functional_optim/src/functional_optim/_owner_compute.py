@@ -49,6 +49,10 @@ __all__ = [
 #: the most batches a step's matrices are cut into (each batch is two collectives)
 MAX_BATCHES = 4
 
+#: the least a batch carries (wire bytes of whole matrices): below it a collective's latency
+#: outweighs what overlapping can hide
+MIN_BATCH_BYTES = 1 << 20
+
 #: the contexts installed, innermost last: ``id(local param) -> DTensor param``
 _ACTIVE: list[dict[int, Any]] = []
 
@@ -231,20 +235,27 @@ def _group_of(mesh: Any, sharded: Sequence[Any], name: str) -> _MeshGroup:
     return found
 
 
-def _batches(owners: list[int], costs: list[float], world: int) -> list[list[int]]:
+def _batches(owners: list[int], costs: list[float], world: int, size: int) -> list[list[int]]:
     """Matrices cut into batches with work for every owner: each owner's matrices (largest
-    first) dealt over at most :data:`MAX_BATCHES` batches."""
+    first) dealt over at most :data:`MAX_BATCHES` batches of about :data:`MIN_BATCH_BYTES` or
+    more (``size``: the wire bytes of all the matrices)."""
     owned: list[list[int]] = [[] for _ in range(world)]
     for j in sorted(range(len(owners)), key=lambda j: (-costs[j], j)):
         owned[owners[j]].append(j)
-    count = min(MAX_BATCHES, max(len(js) for js in owned))
+    by_size = size // MIN_BATCH_BYTES if MIN_BATCH_BYTES > 0 else len(owners)
+    count = min(MAX_BATCHES, max(len(js) for js in owned), max(1, by_size))
     return [sorted(j for js in owned for j in js[b::count]) for b in range(count)]
 
 
-def _plan(outer: Sequence[Any], cost: Callable[[int, int], float] | None, name: str) -> _Plan:
+def _plan(
+    outer: Sequence[Any],
+    cost: Callable[[int, int], float] | None,
+    name: str,
+    wire: torch.dtype = torch.float32,
+) -> _Plan:
     mesh = outer[0].device_mesh
     structure = tuple((tuple(p.shape), tuple(p.placements)) for p in outer)
-    key = (mesh, structure, cost)
+    key = (mesh, structure, cost, wire)
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
@@ -259,7 +270,8 @@ def _plan(outer: Sequence[Any], cost: Callable[[int, int], float] | None, name: 
     ]
     sources = [_sources(p.placements, group.coordinates) for p in outer]
     batches = []
-    for members in _batches(owners, costs, world):
+    size = sum(m * n for m, n in shapes) * wire.itemsize
+    for members in _batches(owners, costs, world, size):
         mine = [j for j in members if owners[j] == me]
         send = [j for s in range(world) for j in members if owners[j] == s and sources[j][me]]
         recv = [(s, j) for s in range(world) for j in mine if sources[j][s]]
@@ -305,12 +317,10 @@ def _flat_cat(parts: list[Tensor], like: Tensor) -> Tensor:
     return torch.cat([t.reshape(-1) for t in parts])
 
 
-def prepare(
-    outer: Sequence[Any], name: str, cost: Callable[[int, int], float] | None = None
-) -> None:
-    """Plan a step of these matrices before anything changes (on first sight of them, a
-    collective that checks the ranks agree; see :func:`check_matrix_group`)."""
-    _plan(outer, cost, name)
+def prepare(outer: Sequence[Any], name: str) -> None:
+    """Check a step's matrices before anything changes (on first sight of them, a collective
+    that checks the ranks agree; see :func:`check_matrix_group`)."""
+    _group_of(outer[0].device_mesh, outer, name)
 
 
 def owner_map(
@@ -334,7 +344,7 @@ def owner_map(
     Yields:
         ``(j, local block of fn's result for matrix j)`` for every matrix, as they arrive.
     """
-    plan = _plan(outer, cost, name)
+    plan = _plan(outer, cost, name, wire)
     group = plan.group.name
     empty = inputs[0].new_empty(0, dtype=wire)
     sends = [_flat_cat([inputs[j].to(wire) for j in b.send], empty) for b in plan.batches]
