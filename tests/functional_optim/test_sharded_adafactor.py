@@ -170,18 +170,92 @@ def _check_state_dict_round_trip(rank: int, world_size: int) -> bool:
 
 
 def _check_other_placements_raise(rank: int, world_size: int) -> str:
-    """A column-sharded DTensor (TP Shard(1)) raises, naming the param, before any change."""
+    """A param of 3 dims split along its middle dim raises, naming the param, before any
+    change."""
     from torch.distributed.tensor import DTensor, Shard
 
     mesh = next(iter(_fsdp_net().parameters())).device_mesh
-    p = torch.nn.Parameter(DTensor.from_local(torch.ones(4, 2), mesh, [Shard(1)]))
-    p.grad = DTensor.from_local(torch.ones(4, 2), mesh, [Shard(1)])
+    p = torch.nn.Parameter(DTensor.from_local(torch.ones(3, 2, 4), mesh, [Shard(1)]))
+    p.grad = DTensor.from_local(torch.ones(3, 2, 4), mesh, [Shard(1)])
     opt = fo.Optimizer([p], fo.adafactor())
     with pytest.raises(ValueError, match="param 0 of param group 0 has placements") as info:
         opt.step()
-    assert torch.equal(p._local_tensor, torch.ones(4, 2))
+    assert torch.equal(p._local_tensor, torch.ones(3, 2, 4))
     assert not opt.state_dict()["state"]
     return str(info.value)
+
+
+#: (mesh shape, placements per matrix) of tensor-parallel layouts on 2 ranks
+TP_SHAPES = [(7, 5), (6, 9), (1, 6), (5, 1)]
+
+
+def _tp_layouts(world_size: int) -> list[tuple[Any, list[Any]]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    flat = init_device_mesh("cpu", (world_size,))
+    wide = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
+    tall = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp", "tp"))
+    strided = _StridedShard(1, split_factor=2)
+    return [
+        (flat, [[Shard(1)], [Shard(0)], [Shard(1)], [strided]]),
+        (wide, [[Replicate(), Shard(1)], [Shard(0), Shard(1)], [Shard(1), Shard(0)]] * 2),
+        (tall, [[Shard(0), Shard(1)], [Replicate(), Shard(1)], [Shard(1), Replicate()]] * 2),
+    ]
+
+
+def _check_tensor_parallel(rank: int, world_size: int) -> list[float]:
+    """fo.adafactor on matrices split along columns (and rows) == unsharded, rtol 1e-5; the
+    state: row_var split like the param's rows, col_var like its columns."""
+    from torch.distributed.tensor import DTensor
+
+    del rank
+    worst = []
+    for mesh, placements in _tp_layouts(world_size):
+        gen = torch.Generator().manual_seed(0)
+        fulls = [torch.randn(s, generator=gen) for s in TP_SHAPES]
+        ours = [
+            torch.nn.Parameter(_block(f, mesh, pl))
+            for f, pl in zip(fulls, placements, strict=False)
+        ]
+        ref = [torch.nn.Parameter(f.clone()) for f in fulls]
+        opt = fo.Optimizer(ours, fo.adafactor(lr=0.05, weight_decay=0.1))
+        ref_opt = fo.Optimizer(ref, fo.adafactor(lr=0.05, weight_decay=0.1))
+        for _ in range(STEPS):
+            grads = [torch.randn(s, generator=gen) for s in TP_SHAPES]
+            for p, q, g, pl in zip(ours, ref, grads, placements, strict=False):
+                p.grad, q.grad = _block(g, mesh, pl), g.clone()
+            opt.step()
+            ref_opt.step()
+        for p, q in zip(ours, ref, strict=True):
+            torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=RTOL, atol=ATOL)
+            worst.append(float((p.full_tensor() - q).abs().max().detach()))
+        for k, p in enumerate(ours):
+            mine, want = opt.state[p], ref_opt.state[ref[k]]
+            for key in ("row_var", "col_var"):
+                assert isinstance(mine[key], DTensor), (k, key)
+                torch.testing.assert_close(mine[key].full_tensor(), want[key], rtol=RTOL, atol=ATOL)
+    return worst
+
+
+def _block(full: torch.Tensor, mesh: Any, placements: list[Any]) -> Any:
+    """``full`` as a DTensor with these placements (the block by torch's own split rules)."""
+    from torch.distributed.tensor import DTensor
+
+    local, coordinate = full, mesh.get_coordinate()
+    for d, placement in enumerate(placements):
+        if not placement.is_replicate():
+            local = placement._split_tensor(local, mesh.size(d), with_padding=False)[0][
+                coordinate[d]
+            ]
+    return DTensor.from_local(
+        local.clone(memory_format=torch.contiguous_format),
+        mesh,
+        placements,
+        shape=full.shape,
+        stride=full.stride(),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +274,12 @@ def test_fsdp2_adafactor_state_dict_round_trip(world2: World) -> None:
     assert world2.run(_check_state_dict_round_trip) == [True, True]
 
 
-def test_fsdp2_adafactor_refuses_column_shards(world2: World) -> None:
+def test_fsdp2_adafactor_refuses_middle_dim_shards(world2: World) -> None:
     first, second = world2.run(_check_other_placements_raise)
     assert first == second
-    assert "Shard(0) on a 1-D mesh" in first
+    assert "params of 3+ dims split by Shard(0) on a 1-D mesh" in first
+
+
+def test_tensor_parallel_adafactor_matches_unsharded(world2: World) -> None:
+    first, second = world2.run(_check_tensor_parallel)
+    assert first == second  # every rank sees the same full tensors

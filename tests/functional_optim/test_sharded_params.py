@@ -134,6 +134,7 @@ REDUCTION_CASES: dict[str, Callable[[], Any]] = {
     "lars": lambda: fo.lars(learning_rate=1e-1),
     "block_rms": lambda: fo.chain(fo.clip_by_block_rms(1e-3), fo.adam(lr=1e-2)),
     "global_clip": lambda: fo.chain(fo.clip_by_global_norm(0.05), fo.adamw(lr=1e-2)),
+    "adafactor": lambda: fo.adafactor(lr=1e-2, weight_decay=0.1),
 }
 
 
@@ -281,7 +282,7 @@ def world4() -> Iterator[World]:
 
 
 def test_fsdp_tp_mesh_matches_unsharded(world4: World) -> None:
-    for case in ("global_clip", "lamb", "block_rms"):
+    for case in ("global_clip", "lamb", "block_rms", "adafactor"):
         assert world4.run(_check_vs_unsharded, case, True) == [True] * 4, case
 
 

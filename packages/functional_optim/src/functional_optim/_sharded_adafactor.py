@@ -2,8 +2,8 @@
 
 ``fo.adafactor``'s kernel is wrapped (:func:`shards_adafactor`) so that, inside
 ``fo.Optimizer``'s local step of DTensor params (the shard context of
-:mod:`functional_optim._shard_context` is installed), params split by rows (``Shard(0)`` on a
-1-D mesh, FSDP2) go through :func:`adafactor_on_shards`, replicated ones through the kernel.
+:mod:`functional_optim._shard_context` is installed), sharded params go through
+:func:`adafactor_on_shards`, replicated ones through the kernel.
 
 On a row shard of a matrix ``(m, n)`` the row statistics are local (``row_var`` is split like
 the param: local ``(m_local, 1)``), while the column statistics (a sum over the rows) and the
@@ -17,108 +17,39 @@ second one. The collectives go through ``torch.ops._c10d_functional`` (this pack
 imports ``torch.distributed``). The sums are added in another order than the unsharded kernel's
 norms, so results agree with it to float rounding, not bitwise.
 
+A matrix also split along its columns (tensor parallelism, any mesh) has its block's row sums
+of the squared gradient added up too: the row and column sums go, at their positions in vectors
+of the whole dims, into the same first all-reduce; ``row_var`` is then whole along the columns
+(replicated over those mesh dims) and ``col_var`` split like them, and the sum of the new
+``row_var`` over all rows takes one more all-reduce (only when such a matrix is stepped).
+
 ``scale_by_adafactor`` (the transform, e.g. in a chain run by ``fo.Optimizer``'s local step)
-goes through the same :func:`sharded_directions`; :func:`state_zeros` lays out the state
-buffers of row-sharded params (also SM3's accumulators, which finish with
-:func:`all_reduce_max`).
+goes through the same :func:`sharded_directions`; ``_sharded_state.state_zeros`` lays out
+the state buffers.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from functional_optim._shard_context import ShardInfo, owner_infos
+from functional_optim._matrix_layout import Region, split_dims
+from functional_optim._owner_compute import outer_of
+from functional_optim._shard_context import ShardInfo, _all_reduce_sum, owner_infos
+from functional_optim._sharded_state import matrix_region
 from functional_optim.kernels.adafactor import dtype_eps
 
 if TYPE_CHECKING:  # the alias builds the spec; importing it here would be circular
     from functional_optim._aliases._kernel_spec import KernelSpec
 
-__all__ = [
-    "adafactor_on_shards",
-    "all_reduce_max",
-    "check_row_placements",
-    "is_row_sharded",
-    "sharded_directions",
-    "shards_adafactor",
-    "state_zeros",
-]
+__all__ = ["adafactor_on_shards", "sharded_directions", "shards_adafactor"]
 
 #: ``(base spec, its wrapped copy)`` by ``id(base spec)``
 _SPECS: dict[int, tuple[KernelSpec, KernelSpec]] = {}
-
-
-def check_row_placements(i: int, params: Sequence[Any], name: str) -> None:
-    """Raise unless every sharded DTensor of group ``i`` is ``Shard(0)`` on a 1-D mesh.
-
-    Args:
-        i: the group's index.
-        params: its DTensor params.
-        name: the maths, for the message (``"Adafactor"``, ``"SM3"``).
-
-    Raises:
-        ValueError: naming the first param with another layout.
-    """
-    for k, p in enumerate(params):
-        placements = tuple(p.placements)
-        if all(placement.is_replicate() for placement in placements):
-            continue
-        if not is_row_sharded(p):
-            raise ValueError(
-                f"param {k} of param group {i} has placements {placements} on a "
-                f"{len(placements)}-D device mesh; {name} steps sharded params with "
-                "Shard(0) on a 1-D mesh (FSDP2) only"
-            )
-
-
-def is_row_sharded(p: Any) -> bool:
-    """Whether ``p`` is a DTensor split by rows only: ``Shard(0)`` on a 1-D mesh (FSDP2)."""
-    placements = getattr(p, "placements", None)
-    if placements is None or not hasattr(p, "_local_tensor") or len(placements) != 1:
-        return False
-    first = placements[0]
-    return bool(first.is_shard(0)) and type(first).__name__ != "_StridedShard"
-
-
-def state_zeros(p: Any, shape: tuple[int, ...], split: bool) -> Tensor:
-    """Zeros of ``shape`` for a state buffer of ``p``: ``p.new_zeros``, except on a row-sharded
-    DTensor, where the buffer is split by rows like ``p`` (``split``: its dim 0 is ``p``'s) or
-    whole on every rank (a replicated DTensor).
-
-    Args:
-        p: the param.
-        shape: the buffer's global shape.
-        split: whether dim 0 of the buffer follows ``p``'s rows.
-    """
-    if not is_row_sharded(p):
-        return p.new_zeros(shape)  # type: ignore[no-any-return]
-    if split:
-        local = p._local_tensor.new_zeros((p._local_tensor.shape[0], *shape[1:]))
-        placements = p.placements
-    else:  # the placements of a 0-d tensor of p's mesh: Replicate
-        local, placements = p._local_tensor.new_zeros(shape), p.new_empty(()).placements
-    stride = torch.empty(shape, device="meta").stride()
-    return type(p).from_local(  # type: ignore[no-any-return]
-        local, p.device_mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride
-    )
-
-
-def all_reduce_max(t: Tensor, mesh: Any) -> Tensor:
-    """The element-wise maximum of ``t`` over the ranks of the 1-D ``mesh``."""
-    ops = torch.ops._c10d_functional
-    out = ops.all_reduce(t, "max", mesh.get_group(0).group_name)
-    return ops.wait_tensor(out)  # type: ignore[no-any-return]
-
-
-def _all_reduce(t: Tensor, mesh: Any) -> Tensor:
-    """Sum ``t`` over the ranks of the 1-D ``mesh``."""
-    ops = torch.ops._c10d_functional
-    out = ops.all_reduce(t, "sum", mesh.get_group(0).group_name)
-    return ops.wait_tensor(out)  # type: ignore[no-any-return]
 
 
 def _squares(t: Tensor) -> Tensor:
@@ -157,26 +88,41 @@ def sharded_directions(
         Each param's direction and the (negative) step size to add it with.
     """
     mesh = infos[0].mesh
+    dims = tuple(sorted(frozenset().union(*(info.shard_dims for info in infos))))
+    coordinate = mesh.get_coordinate()
+    # a tensor replicated over one of ``dims`` adds its sums from coordinate 0 of it only
+    keep = [
+        1.0 if all(coordinate[d] == 0 for d in dims if d not in info.shard_dims) else 0.0
+        for info in infos
+    ]
+    outer = outer_of(params)
+    regions: dict[int, Region] = {}  # matrices split along their columns: this rank's block
     weights: list[float] = []
     rhos: list[float] = []
     scalars: list[Tensor] = []  # per param: its sum of squares; per matrix: its row_var sum
     columns: list[Tensor] = []  # per matrix: the column sums of its squared gradient
+    by_rows: list[Tensor] = []  # per column-split matrix: the row sums of its squared gradient
     for j, (p, g) in enumerate(zip(params, grads, strict=True)):
         step_t = state_steps[j]
         step_t += 1
         step = float(step_t.item())
         weights.append(step**beta2_decay)
         rhos.append(min(lr, 1 / (step**0.5)))
-        scalars.append(_squares(p))  # the param RMS, before any decay
+        scalars.append(_squares(p) * keep[j])  # the param RMS, before any decay
         row, col = row_vars[j], col_vars[j]
-        if g.dim() > 1:
+        if g.dim() == 2 and outer[j] is not None and _splits_columns(outer[j]):
+            region = regions[j] = matrix_region(outer[j])
+            squares = g.to(torch.float64).square()
+            columns.append(_placed(squares.sum(0), region.cols, outer[j].shape[1]) * keep[j])
+            by_rows.append(_placed(squares.sum(1), region.rows, outer[j].shape[0]) * keep[j])
+        elif g.dim() > 1:
             assert row is not None
             assert col is not None
             row_mean = torch.linalg.vector_norm(g, 2.0, [-1], True).square_()
             row.lerp_(row_mean.div_(g.size(-1)), weights[j])
             if g.dim() == 2:  # rows are split: column sums and the row_var sum are partial
-                columns.append(g.to(torch.float64).square().sum(0))
-                scalars.append(row.sum(dtype=torch.float64).reshape(1))
+                columns.append(g.to(torch.float64).square().sum(0) * keep[j])
+                scalars.append(row.sum(dtype=torch.float64).reshape(1) * keep[j])
             else:
                 col_mean = torch.linalg.vector_norm(g, 2.0, [-2], True).square_()
                 col.lerp_(col_mean.div_(g.size(-2)), weights[j])
@@ -184,9 +130,12 @@ def sharded_directions(
             variance = variances[j]
             assert variance is not None
             variance.lerp_(g * g, weights[j])
-    total = _all_reduce(torch.cat(scalars + columns), mesh)
+    total = _all_reduce_sum(torch.cat(scalars + columns + by_rows), mesh, dims)
+    at = len(scalars) + sum(c.numel() for c in columns)
     sums = iter(total[: len(scalars)].tolist())
-    col_sums = iter(torch.split_with_sizes(total[len(scalars) :], [c.numel() for c in columns]))
+    col_sums = iter(torch.split_with_sizes(total[len(scalars) : at], [c.numel() for c in columns]))
+    row_sums = iter(torch.split_with_sizes(total[at:], [r.numel() for r in by_rows]))
+    row_totals = iter(_finish_rows(row_vars, weights, regions, row_sums, keep, mesh, dims, outer))
 
     updates: list[Tensor] = []
     alphas: list[float] = []
@@ -197,10 +146,13 @@ def sharded_directions(
         if g.dim() == 2:
             assert row is not None
             assert col is not None
-            rows = infos[j].numel // g.size(-1)
+            rows = int(outer[j].shape[0]) if outer[j] is not None else infos[j].numel // g.size(-1)
             col_mean = next(col_sums) / rows
+            row_total = next(row_totals) if j in regions else next(sums)
+            if j in regions:
+                col_mean = _picked(col_mean, regions[j].cols)
             col.lerp_(col_mean.to(col.dtype).view(col.shape), weights[j])
-            estimate = (row @ col).div_(max(next(sums) / rows, floor))
+            estimate = (row @ col).div_(max(row_total / rows, floor))
         elif g.dim() > 2:
             assert row is not None
             assert col is not None
@@ -211,12 +163,67 @@ def sharded_directions(
             assert variance is not None
             estimate = variance.clone()
         updates.append(estimate.clamp_(min=floor * floor).rsqrt_().mul_(g))
-    norms = _all_reduce(torch.cat([_squares(u) for u in updates]), mesh).tolist()
+    squared = [_squares(u) * k for u, k in zip(updates, keep, strict=True)]
+    norms = _all_reduce_sum(torch.cat(squared), mesh, dims).tolist()
     sizes = [
         -alphas[j] / max(1.0, norms[j] ** 0.5 / ((infos[j].numel ** 0.5) * d))
         for j in range(len(updates))
     ]
     return updates, sizes
+
+
+def _splits_columns(p: Any) -> bool:
+    """Whether some placement of the DTensor ``p`` splits its dim 1."""
+    return any(split is not None and split[0] == 1 for split in map(split_dims, p.placements))
+
+
+def _placed(local: Tensor, span: Any, size: int) -> Tensor:
+    """``local`` (sums over a block's rows or columns) at its positions in a zero vector of the
+    whole dim's ``size``."""
+    out = local.new_zeros(size)
+    if isinstance(span, Tensor):
+        out.index_copy_(0, span.to(out.device), local)
+    else:
+        out[span[0] : span[1]] = local
+    return out
+
+
+def _picked(whole: Tensor, span: Any) -> Tensor:
+    """The entries of ``whole`` (a whole dim) at a block's positions."""
+    if isinstance(span, Tensor):
+        return whole.index_select(0, span.to(whole.device))
+    return whole[span[0] : span[1]]
+
+
+def _finish_rows(
+    row_vars: list[Tensor | None],
+    weights: list[float],
+    regions: dict[int, Region],
+    row_sums: Iterator[Tensor],
+    keep: list[float],
+    mesh: Any,
+    dims: tuple[int, ...],
+    outer: list[Any],
+) -> list[float]:
+    """``row_var`` of the column-split matrices from their reduced row sums, then each one's
+    sum over the whole matrix (one more all-reduce; none when there are no such matrices)."""
+    if not regions:
+        return []
+    coordinate = mesh.get_coordinate()
+    local = []
+    for j, region in regions.items():
+        row = row_vars[j]
+        assert row is not None
+        mean = _picked(next(row_sums), region.rows) / int(outer[j].shape[1])
+        row.lerp_(mean.to(row.dtype).view(row.shape), weights[j])
+        # row_var is whole along the columns: the ranks holding other columns repeat it
+        first = all(
+            coordinate[d] == 0
+            for d, split in enumerate(map(split_dims, outer[j].placements))
+            if split is not None and split[0] == 1
+        )
+        local.append(row.sum(dtype=torch.float64).reshape(1) * (keep[j] if first else 0.0))
+    return list(_all_reduce_sum(torch.cat(local), mesh, dims).tolist())
 
 
 def adafactor_on_shards(

@@ -27,8 +27,8 @@ from torch import Tensor
 from functional_optim._base import OptState, StepFn
 from functional_optim._owner_compute import check_matrix_group, outer_params
 from functional_optim._shard_context import ShardInfo, shard_context
-from functional_optim._sharded_adafactor import check_row_placements
 from functional_optim._sharded_matrix import check_muon_placements
+from functional_optim._sharded_state import check_factored_placements, check_row_placements
 from functional_optim._transforms.adafactor import ScaleByAdafactorState
 from functional_optim._transforms.lbfgs import LbfgsState
 from functional_optim._transforms.muon import ScaleByMuonState
@@ -106,7 +106,10 @@ def _check_group(
     # Adafactor and SM3 finish their statistics over FSDP2 row shards in a local step
     rows = tuple(t for t in (ScaleByAdafactorState, ScaleBySM3State) if fused and _has(nodes, t))
     for kind in rows:
-        check_row_placements(i, params, "Adafactor" if kind is ScaleByAdafactorState else "SM3")
+        if kind is ScaleByAdafactorState:
+            check_factored_placements(i, params)
+        else:
+            check_row_placements(i, params, "SM3")
     whole = [
         type(n).__name__
         for n in nodes

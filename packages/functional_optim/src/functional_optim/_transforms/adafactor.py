@@ -10,7 +10,8 @@ from torch import Tensor
 from functional_optim._base import GradientTransformation, OptState
 from functional_optim._recipes import transform_factory
 from functional_optim._shard_context import ShardInfo, owner_infos
-from functional_optim._sharded_adafactor import sharded_directions, state_zeros
+from functional_optim._sharded_adafactor import sharded_directions
+from functional_optim._sharded_state import state_zeros
 from functional_optim._transforms import _ops
 from functional_optim._transforms._leafwise import leafwise_lists
 from functional_optim._tree import PyTree, tree_flatten
@@ -59,8 +60,9 @@ def _factors(params: PyTree) -> tuple[PyTree, PyTree, PyTree]:
     for p in leaves:
         row = None if p is None else row_var_shape(p.shape)
         col = None if p is None else col_var_shape(p.shape)
-        rows.append(None if row is None else state_zeros(p, row, True))
-        cols.append(None if col is None else state_zeros(p, col, p.dim() > 2))
+        rows.append(None if row is None else state_zeros(p, row, {0: 0}))
+        last = {1: 1} if p.dim() == 2 else {0: 0}  # a matrix's columns; else the batch dim
+        cols.append(None if col is None else state_zeros(p, col, last))
         full.append(None if p is None or row is not None else torch.zeros_like(p))
     return spec.unflatten(rows), spec.unflatten(cols), spec.unflatten(full)
 

@@ -13,7 +13,7 @@ from torch import Tensor
 from functional_optim._base import GradientTransformation, OptState
 from functional_optim._recipes import transform_factory
 from functional_optim._shard_context import owner_infos, sharded_norms
-from functional_optim._sharded_adafactor import all_reduce_max, state_zeros
+from functional_optim._sharded_state import all_reduce_max, state_zeros
 from functional_optim._transforms import _ops
 from functional_optim._transforms._leaf import moment, store
 from functional_optim._transforms._leafwise import leafwise_lists
@@ -163,7 +163,7 @@ def scale_by_sm3(b1: Scalar = 0.9, b2: Scalar = 1.0, eps: Scalar = 1e-8) -> Grad
         mu = [  # one per dimension; on an FSDP2 row shard the first is split, the others whole
             None
             if p is None
-            else [state_zeros(p, (s,), d == 0) for d, s in enumerate(_sm3_view(p).shape)]
+            else [state_zeros(p, (s,), {0: d}) for d, s in enumerate(_sm3_view(p).shape)]
             for p in leaves
         ]
         return ScaleBySM3State(spec.unflatten(mu), tree_zeros_like(params))
