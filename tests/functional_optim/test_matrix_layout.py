@@ -108,9 +108,10 @@ def test_per_matrix_refuses_non_matrices_and_maps_plain_tensors() -> None:
         fo.per_matrix(torch.linalg.matrix_exp).init({"w": torch.zeros(3, 3), "b": torch.zeros(3)})
     with pytest.raises(ValueError, match="Muon only supports 2D parameters"):
         fo.Optimizer([torch.nn.Parameter(torch.zeros(2, 3, 4))], fo.muon(lr=0.1))
-    w = torch.nn.Parameter(torch.randn(4, 3))
-    w.grad = torch.randn(4, 3)
-    expected = w.detach() - 0.1 * torch.linalg.qr(w.grad).Q
+    gen = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 3, generator=gen))
+    w.grad = torch.randn(4, 3, generator=gen)
+    expected = w.detach().add(torch.linalg.qr(w.grad).Q, alpha=-0.1)  # the lr tail's add
     opt = fo.Optimizer([w], fo.chain(fo.per_matrix(_q), fo.scale_by_learning_rate(0.1)))
     opt.step()
     assert torch.equal(w.detach(), expected)
