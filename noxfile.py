@@ -97,4 +97,12 @@ def bench(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, "torchao==0.18.0", "bitsandbytes==0.50.2")
     # torchft: the peer row of benchmarks/lm_diloco.py (skipped with a note without it).
     session.install(*CONSTRAINTS, "torchft==0.2.0")
+    # torchtitan (DistMuon), muon_fsdp2: the peer rows of benchmarks/sharded_muon.py (reported
+    # with their error where they cannot run). --no-deps: torchtitan declares a training stack
+    # (datasets, wandb, tensorboard, torchdata, ...) that its optimizer never imports; the import
+    # of torchtitan.distributed needs only spmd_types and tyro (docstring-parser, typeguard).
+    session.install(
+        *CONSTRAINTS, "--no-deps", "torchtitan==0.3.0", "spmd_types==0.2.3", "muon_fsdp2==0.3.0",
+        "tyro==1.0.17", "docstring-parser==0.18.0", "typeguard==4.6.1",
+    )  # fmt: skip
     session.run("python", "benchmarks/run_all.py", *session.posargs)
