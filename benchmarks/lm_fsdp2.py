@@ -365,34 +365,57 @@ def report(result: dict[str, Any]) -> list[str]:
     ]
 
 
-def main(argv: list[str] | None = None) -> str:
-    """Run the benchmark; print and return its markdown.
+def run_main(
+    argv: list[str] | None,
+    module: Any,
+    quick: tuple[str, int],
+    methods: tuple[str, str],
+) -> str:
+    """The command line of an LM benchmark ``module`` (its ``__doc__``, ``FULL``, ``QUICK``,
+    ``LETTERS``, ``compare``, ``report``, ``verdicts``): parse, run, print and return the
+    markdown.
+
+    Args:
+        argv: the arguments.
+        module: the benchmark module.
+        quick: ``--quick``'s help and its steps.
+        methods: ``--methods``' default and what its control letters are.
 
     Raises:
         RuntimeError: a check failed (after the report is printed).
     """
-    parser = benchmark_parser(__doc__, quick_help="smoke-test sizes (about a minute)")
-    parser.add_argument("--steps", type=int, help=f"training steps [{FULL.steps}; --quick 60]")
+    parser = benchmark_parser(module.__doc__, quick_help=quick[0])
+    parser.add_argument(
+        "--steps", type=int, help=f"training steps [{module.FULL.steps}; --quick {quick[1]}]"
+    )
     parser.add_argument("--every", type=int, help="curve table: every N steps [config's]")
-    parser.add_argument("--methods", default="abc", help="letters; d: the wrong control [abc]")
+    parser.add_argument("--methods", default=methods[0], help=f"letters; {methods[1]}")
     args = parser.parse_args(argv)
-    config = QUICK if args.quick else FULL
+    config = module.QUICK if args.quick else module.FULL
     for option in ("steps", "every"):
         value = getattr(args, option)
         if value is not None and value < 1:
             parser.error(f"--{option} must be positive, got {value}")
         config = replace(config, **{option: value}) if value is not None else config
-    by_letter = {letter: name for name, letter in LETTERS.items()}
+    by_letter = {letter: name for name, letter in module.LETTERS.items()}
     names = tuple(by_letter.get(letter, letter) for letter in args.methods)
     try:
-        result = compare(config, names, timeout_s=600 if args.quick else 1800)
+        result = module.compare(config, names, timeout_s=600 if args.quick else 1800)
     except ValueError as error:
         parser.error(str(error))
-    markdown = emit(report(result))
-    failed = [line for line in verdicts(result) if line.startswith("FAIL")]
+    markdown: str = emit(module.report(result))
+    failed = [line for line in module.verdicts(result) if line.startswith("FAIL")]
     if failed:
         raise RuntimeError("; ".join(failed))
     return markdown
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Run the benchmark; print and return its markdown (raises if a check fails)."""
+    import lm_fsdp2 as module  # this file under its own name (also when run as a script)
+
+    return run_main(argv, module, ("smoke-test sizes (about a minute)", 60),
+                    ("abc", "d: the wrong control [abc]"))  # fmt: skip
 
 
 if __name__ == "__main__":
