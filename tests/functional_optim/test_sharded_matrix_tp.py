@@ -194,7 +194,11 @@ def _check_errors(rank: int, world_size: int) -> list[str]:
         torch.ones(4, cols), flat, [Shard(0)], shape=(8, cols), stride=(cols, 1)
     )
     unnamed_param = _sharded(torch.ones(4, 6), unnamed, [Shard(0), Shard(1)])
-    for param in (disagree, unnamed_param):
+    rows = 4 if rank == 0 else 2  # torch.chunk gives rank 1 three rows of 7: only it sees it
+    misplaced = DTensor.from_local(
+        torch.ones(rows, 3), flat, [Shard(0)], shape=(7, 3), stride=(3, 1)
+    )
+    for param in (disagree, unnamed_param, misplaced):
         p = torch.nn.Parameter(param)
         p.grad = torch.ones_like(p)
         opt = fo.Optimizer([p], fo.muon(lr=0.05))
@@ -208,7 +212,9 @@ def _check_errors(rank: int, world_size: int) -> list[str]:
 
 
 def test_bad_layouts_raise_before_any_change(world2: World) -> None:
-    (disagree, unnamed), other = world2.run(_check_errors)
+    (disagree, unnamed, misplaced), other = world2.run(_check_errors)
     assert "the ranks disagree on the sharded matrices Muon steps" in disagree
     assert "rank 1 has 1" in other[0] or "rank 0 has 1" in other[0]
     assert "need mesh_dim_names" in unnamed
+    assert "rank 1: a local shape Muon cannot place" in misplaced  # rank 0 raises too
+    assert "local shape (2, 3), not the (3, 3) of torch.chunk's rule" in other[2]

@@ -199,30 +199,38 @@ def check_matrix_group(i: int, params: Sequence[Any], name: str) -> None:
                     f"{where} has placement {placement}; {name} takes matrices "
                     "sharded along dim 0 or 1 (Shard, _StridedShard) only"
                 )
+    problem = None  # found on this rank only: raised on every rank after the collective
+    for k, p in sharded:
         mine = local_region(tuple(p.shape), p.placements, mesh.shape, coordinate)
-        if mine.shape != tuple(p._local_tensor.shape):
-            raise ValueError(
-                f"{where} has placements {tuple(p.placements)} and a local shape "
-                f"{tuple(p._local_tensor.shape)}, not the {mine.shape} of torch.chunk's rule "
-                "in mesh-dim order; a non-default shard order is not supported"
+        if problem is None and mine.shape != tuple(p._local_tensor.shape):
+            problem = (
+                f"param {k} of param group {i} has placements {tuple(p.placements)} and a local "
+                f"shape {tuple(p._local_tensor.shape)}, not the {mine.shape} of torch.chunk's "
+                "rule in mesh-dim order; a non-default shard order is not supported"
             )
-    group = _group_of(mesh, [p for _, p in sharded], name)
-    del group
+    _group_of(mesh, [p for _, p in sharded], name, problem)
 
 
-def _group_of(mesh: Any, sharded: Sequence[Any], name: str) -> _MeshGroup:
+def _group_of(
+    mesh: Any, sharded: Sequence[Any], name: str, problem: str | None = None
+) -> _MeshGroup:
     """The mesh's group; on first sight of these matrices, one ``all_gather`` of every rank's
-    coordinate and matrix checksum (raising if the ranks disagree)."""
+    coordinate, matrix checksum and whether it found a ``problem`` (raising on every rank if
+    one did or if the ranks disagree)."""
     key = (mesh, tuple((tuple(p.shape), tuple(p.placements)) for p in sharded))
     known = _GROUPS.get(key)
-    if known is not None:
+    if known is not None and problem is None:
         return known
     group, world, rank = _mesh_group(mesh)
-    mine = [*mesh.get_coordinate(), _fingerprint(sharded), len(sharded)]
+    flag = [int(problem is not None)]
+    mine = [*mesh.get_coordinate(), *flag, _fingerprint(sharded), len(sharded)]
     local = torch.tensor(mine, dtype=torch.int64, device=sharded[0]._local_tensor.device)
     ops = torch.ops._c10d_functional
     gathered = ops.wait_tensor(ops.all_gather_into_tensor(local, world, group))
     rows = gathered.view(world, len(mine)).tolist()
+    flagged = [s for s, row in enumerate(rows) if row[-3]]
+    if flagged:
+        raise ValueError(problem or f"rank {flagged[0]}: a local shape {name} cannot place")
     for s, row in enumerate(rows):
         if row[-2:] != mine[-2:]:
             raise ValueError(
