@@ -20,6 +20,7 @@ import torch
 
 import functional_optim as fo
 from tests._world import World
+from tests.functional_optim._dtensor_blocks import from_full
 
 RTOL, ATOL = 1e-5, 1e-7
 STEPS = 3
@@ -216,7 +217,7 @@ def _check_tensor_parallel(rank: int, world_size: int) -> list[float]:
         gen = torch.Generator().manual_seed(0)
         fulls = [torch.randn(s, generator=gen) for s in TP_SHAPES]
         ours = [
-            torch.nn.Parameter(_block(f, mesh, pl))
+            torch.nn.Parameter(from_full(f, mesh, pl))
             for f, pl in zip(fulls, placements, strict=False)
         ]
         ref = [torch.nn.Parameter(f.clone()) for f in fulls]
@@ -225,7 +226,7 @@ def _check_tensor_parallel(rank: int, world_size: int) -> list[float]:
         for _ in range(STEPS):
             grads = [torch.randn(s, generator=gen) for s in TP_SHAPES]
             for p, q, g, pl in zip(ours, ref, grads, placements, strict=False):
-                p.grad, q.grad = _block(g, mesh, pl), g.clone()
+                p.grad, q.grad = from_full(g, mesh, pl), g.clone()
             opt.step()
             ref_opt.step()
         for p, q in zip(ours, ref, strict=True):
@@ -237,25 +238,6 @@ def _check_tensor_parallel(rank: int, world_size: int) -> list[float]:
                 assert isinstance(mine[key], DTensor), (k, key)
                 torch.testing.assert_close(mine[key].full_tensor(), want[key], rtol=RTOL, atol=ATOL)
     return worst
-
-
-def _block(full: torch.Tensor, mesh: Any, placements: list[Any]) -> Any:
-    """``full`` as a DTensor with these placements (the block by torch's own split rules)."""
-    from torch.distributed.tensor import DTensor
-
-    local, coordinate = full, mesh.get_coordinate()
-    for d, placement in enumerate(placements):
-        if not placement.is_replicate():
-            local = placement._split_tensor(local, mesh.size(d), with_padding=False)[0][
-                coordinate[d]
-            ]
-    return DTensor.from_local(
-        local.clone(memory_format=torch.contiguous_format),
-        mesh,
-        placements,
-        shape=full.shape,
-        stride=full.stride(),
-    )
 
 
 @pytest.fixture(scope="module")

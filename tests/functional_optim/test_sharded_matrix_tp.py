@@ -19,6 +19,7 @@ import torch
 import functional_optim as fo
 import functional_optim._owner_compute as owner_compute
 from tests._world import World
+from tests.functional_optim._dtensor_blocks import from_full
 
 SHAPES = [(7, 5), (33, 9), (16, 24), (1, 6), (6, 1)]
 STEPS = 3
@@ -49,26 +50,6 @@ def _layouts(world_size: int) -> list[tuple[Any, list[list[Any]]]]:
     ]
 
 
-def _sharded(full: torch.Tensor, mesh: Any, placements: list[Any]) -> Any:
-    """``full`` as a DTensor with these placements (the block by torch's own split rules; a
-    copy: a chain's fused step consumes its gradients, which must not be the reference's)."""
-    from torch.distributed.tensor import DTensor
-
-    local = full
-    coordinate = mesh.get_coordinate()
-    for d, placement in enumerate(placements):
-        if not placement.is_replicate():
-            chunks, _ = placement._split_tensor(local, mesh.size(d), with_padding=False)
-            local = chunks[coordinate[d]]
-    return DTensor.from_local(
-        local.clone(memory_format=torch.contiguous_format),
-        mesh,
-        placements,
-        shape=full.shape,
-        stride=full.stride(),
-    )
-
-
 def _run(tx: Any, mesh: Any, placements: list[list[Any]], reference: Any) -> list[float]:
     """``STEPS`` steps of ``tx`` on DTensors and of ``reference(params)`` on whole tensors;
     the largest difference of each matrix (0.0: bitwise)."""
@@ -76,14 +57,14 @@ def _run(tx: Any, mesh: Any, placements: list[list[Any]], reference: Any) -> lis
     gen = torch.Generator().manual_seed(0)
     fulls = [torch.randn(s, generator=gen) for s in shapes]
     ours = [
-        torch.nn.Parameter(_sharded(f, mesh, pl)) for f, pl in zip(fulls, placements, strict=True)
+        torch.nn.Parameter(from_full(f, mesh, pl)) for f, pl in zip(fulls, placements, strict=True)
     ]
     ref = [torch.nn.Parameter(f.clone()) for f in fulls]
     opt, ref_opt = fo.Optimizer(ours, tx), reference(ref)
     for _ in range(STEPS):
         grads = [torch.randn(s, generator=gen) for s in shapes]
         for p, q, g, pl in zip(ours, ref, grads, placements, strict=True):
-            p.grad, q.grad = _sharded(g, mesh, pl), g
+            p.grad, q.grad = from_full(g, mesh, pl), g
         opt.step()
         ref_opt.step()
     return [float((p.full_tensor() - q).detach().abs().max()) for p, q in zip(ours, ref)]
@@ -193,7 +174,7 @@ def _check_errors(rank: int, world_size: int) -> list[str]:
     disagree = DTensor.from_local(
         torch.ones(4, cols), flat, [Shard(0)], shape=(8, cols), stride=(cols, 1)
     )
-    unnamed_param = _sharded(torch.ones(4, 6), unnamed, [Shard(0), Shard(1)])
+    unnamed_param = from_full(torch.ones(4, 6), unnamed, [Shard(0), Shard(1)])
     rows = 4 if rank == 0 else 2  # torch.chunk gives rank 1 three rows of 7: only it sees it
     misplaced = DTensor.from_local(
         torch.ones(rows, 3), flat, [Shard(0)], shape=(7, 3), stride=(3, 1)
