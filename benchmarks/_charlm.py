@@ -19,8 +19,10 @@ from __future__ import annotations
 import hashlib
 import math
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -202,3 +204,16 @@ def held_out_loss(model: nn.Module, windows: torch.Tensor, batch: int = 64) -> f
         total += float(next_byte_loss(model, chunk)) * len(chunk)
     model.train(was_training)
     return total / len(windows)
+
+
+def lr_factor(config: Any) -> Callable[[int], float]:
+    """The LM benchmarks' ``LambdaLR`` factor: linear warm-up over ``config.warmup`` steps, then
+    cosine decay to a tenth at ``config.steps``."""
+
+    def factor(step: int) -> float:
+        if step < config.warmup:
+            return (step + 1) / config.warmup
+        progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor

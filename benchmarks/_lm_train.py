@@ -7,9 +7,7 @@ collectives (``_lm_methods.CollectiveCounter``). Private to the benchmarks (``_`
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -21,21 +19,12 @@ from _charlm import (
     held_out_loss,
     held_out_windows,
     load_corpus,
+    lr_factor,
     next_byte_loss,
 )
 from _lm_methods import CollectiveCounter, make_method
 
 Config = Any  # lm_diloco.Config (not imported: lm_diloco imports this module)
-
-
-def _lr_factor(config: Config) -> Callable[[int], float]:
-    def factor(step: int) -> float:
-        if step < config.warmup:
-            return (step + 1) / config.warmup
-        progress = (step - config.warmup) / max(1, config.steps - config.warmup)
-        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
 
 
 def _over_ranks(value: float, op: str) -> float:
@@ -87,7 +76,7 @@ def _train(
         method = make_method(name, model, config, options, count)
         inner = method.make_inner(params, config)
         optimizer = method.wrap(inner)
-        schedule = torch.optim.lr_scheduler.LambdaLR(inner, _lr_factor(config))
+        schedule = torch.optim.lr_scheduler.LambdaLR(inner, lr_factor(config))
         dist.barrier()
         record(0)
         for step in range(1, config.steps + 1):

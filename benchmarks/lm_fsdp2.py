@@ -23,10 +23,8 @@ Usage: ``python benchmarks/lm_fsdp2.py [--quick] [--steps N] [--every N] [--meth
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -73,18 +71,6 @@ class Config:
 
 FULL = Config()
 QUICK = Config(steps=60, width=32, context=32, batch=8, warmup=10, eval_windows=64, every=10)
-
-
-def _lr_factor(config: Config) -> Callable[[int], float]:
-    """``lm_diloco.py``'s schedule: linear warm-up, then cosine decay to a tenth."""
-
-    def factor(step: int) -> float:
-        if step < config.warmup:
-            return (step + 1) / config.warmup
-        progress = (step - config.warmup) / max(1, config.steps - config.warmup)
-        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
 
 
 def fused_adamw_runs_on_cpu() -> bool:
@@ -136,7 +122,7 @@ def _build(name: str, config: Config, fused: bool) -> _Run:
         optimizer = fo.Optimizer(model.parameters(), fo.adam(**hyper))
     else:
         optimizer = torch.optim.AdamW(model.parameters(), **hyper)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(config))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, charlm.lr_factor(config))
     return _Run(module, model, optimizer, schedule)
 
 

@@ -2,7 +2,7 @@
 
 ``lm_fsdp2.py``'s workload (``_charlm.py``'s byte-level transformer on the stdlib's sources)
 trains from the same initial weights with torch's Muon recipe: Muon for the matrices, AdamW for
-the rest, both under the same ``LambdaLR`` schedule (``lm_fsdp2._lr_factor``) and one
+the rest, both under the same ``LambdaLR`` schedule (``_charlm.lr_factor``) and one
 ``clip_grad_norm_`` over all params (total norm ``clip``):
 
 - (a) **FSDP2 + fo.muon**: 2 gloo ranks (CPU), ``fully_shard`` on each block and on the root,
@@ -143,7 +143,7 @@ def _build(name: str, config: Config, fused: bool) -> _Run:
         optimizers = [_LocalShardMuon(matrices, config), fo.Optimizer(rest, fo.adamw(**adam))]
     else:
         optimizers = [fo.Optimizer(model.parameters(), fo.adamw(**adam))]
-    factor = lm_fsdp2._lr_factor(config)
+    factor = charlm.lr_factor(config)
     schedules = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in optimizers]
     return _Run(model, optimizers, schedules)
 
