@@ -34,8 +34,8 @@ Rows:
   vs ``Adam(fused=True)``;
 * ``pure step adam`` and ``pure step adamw chain``: ``fo.pure_step(tx)`` (the update and
   ``apply_updates`` in one pure call: new params and state, nothing mutated) vs
-  ``Adam(fused=True)`` and clip + ``AdamW(fused=True)``; the ``compiled=True`` rows run the
-  compiled out-of-place kernel (compiled during the untimed warm-up steps);
+  ``Adam(fused=True)`` and clip + ``AdamW(fused=True)`` (every element-wise alias:
+  ``benchmarks/pure_step_speed.py``);
 * ``alias adam``: ``fo.Optimizer(fo.adam())`` and ``FunctionalAdam.step`` vs ``Adam(fused=True)``.
 
 No peer library: optax (JAX) is not installed here.
@@ -133,12 +133,10 @@ def _ours_pure(tx: fo.GradientTransformation, p: list[Tensor], g: list[Tensor]) 
     return step
 
 
-def _ours_pure_step(
-    tx: fo.GradientTransformation, p: list[Tensor], g: list[Tensor], compiled: bool = False
-) -> Step:
+def _ours_pure_step(tx: fo.GradientTransformation, p: list[Tensor], g: list[Tensor]) -> Step:
     box: list[Any] = [[x.clone() for x in p], None]
     box[1] = tx.init(box[0])
-    step = fo.pure_step(tx, compiled=compiled)
+    step = fo.pure_step(tx)
 
     def run() -> None:
         box[0], box[1] = step(box[0], g, box[1])
@@ -301,10 +299,6 @@ def _rows() -> list[tuple[str, str, Any, str, Any]]:
          lambda p, g: _ours_pure_step(fo.adam(lr=LR), p, g), "Adam(fused)", _torch_adam),
         ("pure step adamw chain", "fo.pure_step(chain)",
          lambda p, g: _ours_pure_step(adamw, p, g), clip_adamw, _torch_clip_adamw(list)),
-        ("pure step adam", "pure_step(fo.adam, compiled=True)",
-         lambda p, g: _ours_pure_step(fo.adam(lr=LR), p, g, True), "Adam(fused)", _torch_adam),
-        ("pure step adamw chain", "pure_step(chain, compiled=True)",
-         lambda p, g: _ours_pure_step(adamw, p, g, True), clip_adamw, _torch_clip_adamw(list)),
         ("alias adam", "fo.Optimizer(fo.adam)",
          lambda p, g: _ours_optimizer(fo.adam(lr=LR), p, g), "Adam(fused)", _torch_adam),
         ("alias adam", "FunctionalAdam.step", _functional_adam, "Adam(fused)", _torch_adam),

@@ -10,9 +10,6 @@ baseline):
 * ``torch``: ``torch.optim.Adam(fused=True)`` in place: params, gradients, two moments;
 * ``pure_step``: ``fo.pure_step(fo.adam)``, ``params, state = step(params, grads, state)``:
   it keeps one spare set of params and moments for reuse between steps;
-* ``pure_step compiled``: the same with ``compiled=True``, which also keeps the gathered
-  gradients (it compiles on a tiny model before the baseline is read: the compiler's own
-  memory is not counted);
 * ``update + apply_updates``: the per-leaf pure path, fresh tensors every step.
 
 Linux only (``/proc``); elsewhere the table says so. Usage:
@@ -34,7 +31,7 @@ from _harness import benchmark_parser, table
 STEPS = 10
 TENSORS = 100
 HEADERS = ("variant", "resident MB", "x torch", "peak MB", "x torch")
-VARIANTS = ("torch", "pure_step", "pure_step compiled", "update + apply_updates")
+VARIANTS = ("torch", "pure_step", "update + apply_updates")
 
 
 def _resident_mb() -> float:
@@ -69,11 +66,6 @@ def _run(variant: str, total: int, out: Any) -> None:
 
     torch.set_num_threads(1)
     tx = fo.adam(lr=1e-4)
-    if variant == "pure_step compiled":  # compile on a tiny model first: not counted
-        warm = fo.pure_step(tx, compiled=True)
-        tiny = [torch.zeros(4)]
-        warm(tiny, [torch.ones(4)], tx.init(tiny))
-        del warm, tiny
     base = _resident_mb()
     _reset_peak()
     base_peak = _peak_mb()
@@ -94,7 +86,7 @@ def _run(variant: str, total: int, out: Any) -> None:
             updates, state = tx.update(grads, state, params)
             params = fo.apply_updates(params, updates)
     else:
-        step = fo.pure_step(tx, compiled=variant == "pure_step compiled")
+        step = fo.pure_step(tx)
         state = tx.init(params)
         for _ in range(STEPS):
             params, state = step(params, grads, state)

@@ -39,6 +39,7 @@ BENCHMARKS = (  # in order
     "rpc_step",
     "lm_diloco",
     "lowbit_states",
+    "pure_step_speed",
 )
 SIZE_HEADER = re.compile(r"\b(size|params?|parameters|numel|elements|tensors)\b", re.IGNORECASE)
 RATIO_HEADER = re.compile(

@@ -14,10 +14,9 @@ from torch import Tensor
 
 import functional_optim as fo
 from functional_optim._counts import (
+    copied_counts,
     increment_counts,
-    incremented,
     repacked_like,
-    uniform_count,
     zero_counts,
 )
 from functional_optim._tree import tree_leaves
@@ -84,7 +83,7 @@ def test_increment_adds_one_to_each_counter_of_a_block_in_one_op(count_adds: lis
 @pytest.mark.parametrize(
     "pick",
     [
-        lambda cs: cs[:3],  # a subset (masked leaves, leaves without a gradient)
+        lambda cs: cs[::2],  # a scattered subset (masked leaves, leaves without a gradient)
         lambda cs: cs[::-1],  # another order
         lambda cs: [*cs[:4], cs[0]],  # a counter twice
         unpacked,  # copies
@@ -221,16 +220,24 @@ def test_repacked_like_keeps_positions_and_casts() -> None:
     assert repacked_like(unpacked(zero_counts([torch.ones(1)] * 2)), loose) == loose
 
 
-def test_incremented_is_a_new_block_and_uniform_count_compares_values() -> None:
-    """The pure increment (pure_step's) packs its result too; uniform_count sees a drift."""
-    counts = zero_counts([torch.zeros(2), torch.zeros(3), torch.zeros(1)])
-    new = incremented(counts)
-    assert [float(c) for c in new] == [1.0, 1.0, 1.0]
-    assert [float(c) for c in counts] == [0.0, 0.0, 0.0]
+def test_copied_counts_are_a_new_block_and_a_run_of_a_block_takes_one_add(
+    count_adds: list[int],
+) -> None:
+    """pure_step's copies of packed counters are packed too; a kernel given a chunk of them
+    (consecutive views of one block, in order) adds 1 to that slice of the block only."""
+    counts = zero_counts([torch.zeros(2), torch.zeros(3), torch.zeros(1), torch.zeros(4)])
+    new = copied_counts(counts)
     assert new[0]._base is not None
-    assert new[0]._base is new[2]._base
-    assert uniform_count(new) == 1.0
-    new[1].add_(1)
-    assert uniform_count(new) is None
-    assert uniform_count([torch.tensor(2.0), torch.tensor(2.0)]) == 2.0
-    assert uniform_count([]) is None
+    assert new[0]._base is new[3]._base
+    assert new[0]._base is not counts[0]._base
+    increment_counts(new[1:3])
+    assert count_adds == []
+    assert [float(c) for c in new] == [0.0, 1.0, 1.0, 0.0]
+    assert [float(c) for c in counts] == [0.0, 0.0, 0.0, 0.0]
+    increment_counts([new[2], new[1]])  # out of order: one add per counter, same values
+    assert count_adds == [2]
+    assert [float(c) for c in new] == [0.0, 2.0, 2.0, 0.0]
+    loose = [torch.tensor(2.0), torch.tensor(3.0)]
+    copies = copied_counts(loose)
+    assert [float(c) for c in copies] == [2.0, 3.0]
+    assert copies[0] is not loose[0]

@@ -30,12 +30,11 @@ from torch import Tensor
 from functional_optim._tree import PyTree, tree_flatten
 
 __all__ = [
+    "copied_counts",
     "detached_count",
     "increment_counts",
-    "incremented",
     "repacked_like",
     "scalar_dtype",
-    "uniform_count",
     "zero_counts",
 ]
 
@@ -117,10 +116,25 @@ def increment_counts(counts: list[Tensor]) -> None:
     if not counts:
         return
     block = _block_of(counts)
-    if block is not None:
-        block.base.add_(1)
+    run = block.base if block is not None else _run_of(counts)
+    if run is not None:
+        run.add_(1)
     else:
         torch._foreach_add_(counts, 1)
+
+
+def _run_of(counts: Sequence[Tensor]) -> Tensor | None:
+    """The slice of a 1-D buffer whose consecutive elements ``counts`` are (a chunk of one
+    block's views, in order), or None."""
+    base = counts[0]._base
+    if base is None or base.ndim != 1 or base.stride(0) != 1 or counts[0].ndim != 0:
+        return None
+    start = counts[0].storage_offset()
+    for k, c in enumerate(counts):
+        if c._base is not base or c.storage_offset() != start + k or c.ndim != 0:
+            return None
+    offset = start - base.storage_offset()
+    return base[offset : offset + len(counts)]
 
 
 def _block_of(counts: Sequence[Tensor]) -> _Block | None:
@@ -129,36 +143,17 @@ def _block_of(counts: Sequence[Tensor]) -> _Block | None:
     return block if block is not None and block.holds_exactly(counts) else None
 
 
-def incremented(counts: list[Tensor]) -> list[Tensor]:
-    """New counters ``c + 1`` (the inputs untouched): one new block when ``counts`` are one
-    block's views, in order; else one ``_foreach_add``.
+def copied_counts(counts: list[Tensor]) -> list[Tensor]:
+    """New counters equal to ``counts`` (the inputs untouched): one new block when they are
+    one block's views, in order; else one clone each.
 
     Args:
         counts: 0-d counters.
     """
-    if not counts:
-        return []
-    block = _block_of(counts)
+    block = _block_of(counts) if counts else None
     if block is not None:
-        return _packed(block.base + 1)
-    return list(torch._foreach_add(counts, 1))
-
-
-def uniform_count(counts: list[Tensor]) -> float | None:
-    """The value every counter holds, or None when they differ (or there are none).
-
-    One comparison over the block when ``counts`` are one block's views; a host sync.
-    """
-    if not counts:
-        return None
-    block = _block_of(counts)
-    device = counts[0].device
-    values = (
-        block.base if block is not None else torch.stack([c.reshape(()).to(device) for c in counts])
-    )
-    low, high = torch.aminmax(values)
-    first = float(low)
-    return first if first == float(high) else None
+        return _packed(block.base.clone())
+    return [c.clone() for c in counts]
 
 
 def detached_count(value: Any) -> Any:

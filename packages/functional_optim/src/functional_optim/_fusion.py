@@ -54,8 +54,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import Tensor
 
+from functional_optim import _tail_kernels as tail_kernels
 from functional_optim import kernels
-from functional_optim._counts import increment_counts
+from functional_optim._kernel_runner import Role, run_kernel
 from functional_optim._lists import LeafView, ListTransform
 from functional_optim._step_checks import CHECKER, Buffer, GradRules
 from functional_optim._tree import PyTree
@@ -231,6 +232,10 @@ def _learning_rate(lists: ListTransform, state: Any) -> float:
     return -float(factor)
 
 
+#: ``kernels.adam(w)``'s arguments: params, grads, mu, nu, nu_max, counts, then scalars.
+_ADAM_ROLES: tuple[Role, ...] = ("write", "read", "write", "write", "write", "count", *[None] * 8)
+
+
 def _adam_kernel(
     view: LeafView, updates: list[Tensor], hyper: Any, state: Any, lr: float, wd: float
 ) -> None:
@@ -238,8 +243,8 @@ def _adam_kernel(
         return
     amsgrad = bool(hyper["amsgrad"])
     kernel = kernels.adamw if wd != 0.0 else kernels.adam
-    kernel(
-        view.params,
+    args = [
+        list(view.params),  # the runner refills its lists with new tensors
         updates,
         view.gather(state.mu),
         view.gather(state.nu),
@@ -253,7 +258,8 @@ def _adam_kernel(
         float(hyper["eps"]),
         False,
         "auto",
-    )
+    ]
+    run_kernel(kernel, args, _ADAM_ROLES)
 
 
 def _adam_tail(
@@ -269,82 +275,55 @@ def _adam_tail(
         _adam_kernel(sub, [updates[j] for j in positions], txs[0].hyper, states[0], lr, decay)
 
 
+def _scalars(view: LeafView, txs: list[ListTransform], states: list[Any]) -> tuple[Any, ...]:
+    """A tail's learning rate, weight decay and per-leaf decay flags."""
+    lr = _learning_rate(txs[-1], states[-1])
+    wd, decayed, _ = _decay_split(txs, view)
+    chosen = None if decayed is None else set(decayed)
+    return lr, wd, [chosen is None or j in chosen for j in range(len(view.params))]
+
+
 def _lion_tail(
     view: LeafView, updates: list[Tensor], txs: list[ListTransform], states: list[Any]
 ) -> None:
     hyper, state = txs[0].hyper, states[0]
-    lr = _learning_rate(txs[-1], state=states[-1])
-    wd, decayed, _ = _decay_split(txs, view)
-    mu = view.gather(state.mu)
-    increment_counts(view.gather(state.count))
-    if wd != 0.0:
-        params = view.params if decayed is None else [view.params[j] for j in decayed]
-        if params:
-            torch._foreach_mul_(params, 1.0 - lr * wd)
-    direction = torch._foreach_lerp(mu, updates, 1 - float(hyper["b1"]))
-    torch._foreach_sign_(direction)
-    torch._foreach_add_(view.params, direction, alpha=-lr)
-    torch._foreach_lerp_(mu, updates, 1 - float(hyper["b2"]))
+    lr, wd, decays = _scalars(view, txs, states)
+    args = [list(view.params), updates, view.gather(state.mu), view.gather(state.count), decays]
+    b1, b2 = float(hyper["b1"]), float(hyper["b2"])
+    run_kernel(tail_kernels.lion, [*args, lr, wd, b1, b2], tail_kernels.LION_ROLES)
 
 
 def _rms_tail(
     view: LeafView, updates: list[Tensor], txs: list[ListTransform], states: list[Any]
 ) -> None:
     hyper, state = txs[0].hyper, states[0]
-    lr = _learning_rate(txs[-1], state=states[-1])
-    wd, decayed, _ = _decay_split(txs, view)
+    lr, wd, decays = _scalars(view, txs, states)
+    centered = bool(hyper["centered"])
+    mu = view.gather(state.mu) if centered else []
+    args = [list(view.params), updates, view.gather(state.nu), mu, view.gather(state.count)]
     alpha, eps = float(hyper["alpha"]), float(hyper["eps"])
-    nu = view.gather(state.nu)
-    increment_counts(view.gather(state.count))
-    torch._foreach_mul_(nu, alpha)
-    torch._foreach_addcmul_(nu, updates, updates, value=1 - alpha)
-    if hyper["centered"]:
-        mu = view.gather(state.mu)
-        torch._foreach_lerp_(mu, updates, 1 - alpha)
-        avg = torch._foreach_addcmul(nu, mu, mu, value=-1)
-        torch._foreach_sqrt_(avg)
-    else:
-        avg = torch._foreach_sqrt(nu)
-    torch._foreach_add_(avg, eps)
-    if wd != 0.0:
-        params = view.params if decayed is None else [view.params[j] for j in decayed]
-        if params:
-            torch._foreach_mul_(params, 1.0 - lr * wd)
-    torch._foreach_addcdiv_(view.params, updates, avg, value=-lr)
+    run_kernel(
+        tail_kernels.rms, [*args, decays, lr, wd, alpha, eps, centered], tail_kernels.RMS_ROLES
+    )
 
 
 def _adamax_tail(
     view: LeafView, updates: list[Tensor], txs: list[ListTransform], states: list[Any]
 ) -> None:
     hyper, state = txs[0].hyper, states[0]
-    lr = _learning_rate(txs[-1], state=states[-1])
-    wd, decayed, _ = _decay_split(txs, view)
-    b1 = float(hyper["b1"])
-    counts, mu, nu = view.gather(state.count), view.gather(state.mu), view.gather(state.nu)
-    increment_counts(counts)
-    torch._foreach_lerp_(mu, updates, 1 - b1)
-    torch._foreach_mul_(nu, float(hyper["b2"]))
-    bound = torch._foreach_abs(updates)
-    torch._foreach_add_(bound, float(hyper["eps"]))
-    torch._foreach_maximum_(nu, bound)
-    if wd != 0.0:
-        params = view.params if decayed is None else [view.params[j] for j in decayed]
-        if params:
-            torch._foreach_mul_(params, 1.0 - lr * wd)
-    rates = [-(lr / (1 - b1 ** float(count))) for count in counts]
-    torch._foreach_addcdiv_(view.params, mu, nu, rates)
+    lr, wd, decays = _scalars(view, txs, states)
+    args = [list(view.params), updates, view.gather(state.mu), view.gather(state.nu)]
+    args += [view.gather(state.count), decays, lr, wd]
+    b1, b2, eps = float(hyper["b1"]), float(hyper["b2"]), float(hyper["eps"])
+    run_kernel(tail_kernels.adamax, [*args, b1, b2, eps], tail_kernels.ADAMAX_ROLES)
 
 
 def _lr_tail(
     view: LeafView, updates: list[Tensor], txs: list[ListTransform], states: list[Any]
 ) -> None:
-    lr = _learning_rate(txs[-1], states[-1])
-    wd, decayed, _ = _decay_split(txs, view)
-    if wd != 0.0:
-        params = view.params if decayed is None else [view.params[j] for j in decayed]
-        if params:
-            torch._foreach_mul_(params, 1.0 - lr * wd)
-    torch._foreach_add_(view.params, updates, alpha=-lr)
+    lr, wd, decays = _scalars(view, txs, states)
+    args = [list(view.params), updates, decays, lr, wd]
+    run_kernel(tail_kernels.lr_only, args, tail_kernels.LR_ROLES)
 
 
 def chain_step(transforms: Sequence[Any]) -> StepFn:

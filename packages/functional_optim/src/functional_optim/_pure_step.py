@@ -2,57 +2,57 @@
 
 This is the function JAX users put under ``jit``: ``updates, state = tx.update(grads, state,
 params)`` then ``params = apply_updates(params, updates)``, fused into one call. Eager torch has
-no kernel that reads the old buffers and writes new ones in one pass, so the step copies the
-buffers and runs torch's fused kernel in place on the copies, a chunk of leaves at a time
-(about ``chunk_bytes`` per buffer): the kernel then finds the copies still in cache and the
-step moves close to the bytes of a perfectly fused out-of-place kernel (old params and moments
-read once, new ones written once) instead of a copy pass plus a full in-place pass.
+no kernel that reads the old buffers and writes new ones in one pass, so the step runs the
+transform's own in-place ``tx.step``, whose kernel call goes to a runner that hands the kernel
+new buffers to write (:mod:`functional_optim._pure_flat`): the old values are copied in a chunk
+of leaves at a time and the kernel runs on each chunk while it is in cache. One mechanism for
+every algorithm; nothing in it knows one.
 
-Which transforms take this path (every other one, and every call that records autograd or runs
-under ``torch.func``, takes ``tx.update`` + ``apply_updates``, the differentiable per-leaf path):
+Which transforms take this path: those whose ``step`` ends in one list kernel call,
 
-* a ``chain`` whose tail is Adam's (``scale_by_adam, [add_decayed_weights(wd)],
-  scale(-lr) | scale_by_learning_rate(lr)``, see :mod:`functional_optim._fusion`); the
-  components before the tail run as the pure list maths (``pure_apply_all``), e.g.
-  ``clip_by_global_norm``;
-* such a chain wrapped by ``inject_hyperparams`` (the aliases ``fo.adam``, ``fo.adamw``), or
-  ending in one (``chain(clip_by_global_norm(c), fo.adamw(...))``).
+* every alias built from a registry entry with a kernel (``fo.adam``, ``fo.adamw``,
+  ``fo.sgd``, ``fo.rmsprop``, ``fo.lion``, ...), ``inject_hyperparams`` around it included;
+* a ``chain`` whose in-place step ends in such a step (``chain(clip_by_global_norm(c),
+  fo.adamw(...))``) or in a fused tail of :mod:`functional_optim._fusion` (Adam, Lion,
+  RMSprop, Adamax, or a plain learning rate: ``chain(scale_by_adam(), add_decayed_weights(wd),
+  scale_by_learning_rate(lr))``, ``chain(trace(0.9), scale(-lr))``); the components before it
+  run on copies of the gradients and of their state.
 
-Numbers: the same kernels and op order as the chain's in-place ``tx.step`` (bitwise equal to
-it, and to ``torch.optim.Adam(fused=True)``); against ``tx.update`` + ``apply_updates`` they
-differ by the fused kernel's roundings, the tolerance documented for the aliases' fused steps.
+Every other transform, and every call that records autograd, runs under ``torch.func`` or is
+traced by ``torch.compile``, takes ``tx.update`` + ``apply_updates``: the differentiable
+per-leaf path.
 
-The copies go into flat buffers the step keeps and reuses (fresh CPU memory costs a page
-fault per page), and in a loop they are single slice copies of the step's own last outputs;
-see :mod:`functional_optim._pure_flat`. ``pure_step(tx, compiled=True)`` runs the same chains
-as one out-of-place kernel compiled by ``torch.compile`` instead, within an ulp or two of
-``tx.step``.
+Numbers: ``tx.step``'s on copies, bitwise (the same kernel on the same values). The state
+tensors the kernel does not write (a schedule's count, the state of the components before
+it) are cloned first; the gradients too when a component before the kernel rescales them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+import warnings
+from collections.abc import Sequence
+from itertools import compress
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
+from functional_optim._aliases._kernel_step import written_state
 from functional_optim._base import GradientTransformation, OptState, apply_updates
-from functional_optim._fusion import _decay_split, _learning_rate, _lists, check_tail, plan_tail
-from functional_optim._lists import (
-    LeafView,
-    _copy_state,
-    pure_apply_all,
-    recording,
-)
-from functional_optim._pure_flat import FlatAdam
-from functional_optim._transforms.hyperparams import InjectHyperparamsState, injected_inner
-from functional_optim._tree import PyTree
+from functional_optim._fusion import plan_tail
+from functional_optim._kernel_runner import running_with
+from functional_optim._lists import recording
+from functional_optim._pure_flat import FlatRunner, clone
+from functional_optim._tail_kernels import TAIL_STATE
+from functional_optim._transforms.hyperparams import injected_inner
+from functional_optim._tree import PyTree, tree_flatten, tree_leaves, tree_map
 
 __all__ = ["CHUNK_BYTES", "PureStepFn", "pure_step"]
 
-#: Default bytes per buffer in one chunk: the chunk's params, grads and moments stay in cache.
-CHUNK_BYTES = 1 << 20
+#: Default bytes of params in one chunk. Small chunks keep a chunk's copies in cache for its
+#: kernel, but each chunk costs a kernel call (tens of microseconds of Python); on a CPU with a
+#: large last-level cache 16 MiB chunks were the fastest (``benchmarks/pure_step_speed.py``).
+CHUNK_BYTES = 1 << 24
 
 
 class PureStepFn(Protocol):
@@ -70,16 +70,15 @@ def pure_step(
 
     Args:
         tx: the transform.
-        chunk_bytes: about how many bytes of each buffer one chunk of leaves holds (a leaf
-            larger than that is a chunk of its own).
-        compiled: run Adam-tailed chains as one out-of-place kernel compiled by
-            ``torch.compile`` (compiled on the first call), within an ulp or two of
-            ``tx.step`` instead of bitwise; see :mod:`functional_optim._pure_flat`.
+        chunk_bytes: about how many bytes of params one chunk of leaves holds (a leaf larger
+            than that is a chunk of its own).
+        compiled: deprecated and ignored (it ran an Adam-only compiled kernel): every
+            transform takes the same path.
 
-    The new params and moments of Adam-tailed chains are views into flat buffers that the
-    step reuses once the caller holds no view of them: in a loop it keeps one spare set of
-    params and moments (two if the caller keeps an older state), as a caching allocator would.
-    They are freed with the step function.
+    The new params and the state tensors the kernel writes are views into flat buffers that
+    the step reuses once the caller holds no view of them: in a loop it keeps one spare set
+    (two if the caller keeps an older state), as a caching allocator would. They are freed
+    with the step function.
 
     Returns:
         ``step(params, grads, state) -> (new params, new state)``. Params whose gradient is
@@ -102,107 +101,117 @@ def pure_step(
         )
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    return _make_step(tx, FlatAdam("compiled" if compiled else "fused", chunk_bytes))
+    if compiled:
+        warnings.warn(
+            "pure_step(compiled=True) is deprecated and ignored: every transform takes the "
+            "same path (its own kernel on copies)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    runner = FlatRunner(chunk_bytes)
+    plans: dict[Any, _Plan | None] = {}  # state structure -> what the kernel writes in it
 
-
-def _make_step(tx: GradientTransformation, flat: FlatAdam) -> PureStepFn:
-    """:func:`pure_step` with its flat buffers' owner given (tests pick its mode)."""
+    def plan(leaves: list[Any], spec: Any, state: OptState) -> _Plan | None:
+        # a buffer the kernel makes on its first step is a None leaf until then
+        key = (spec, tuple(i for i, x in enumerate(leaves) if x is None))
+        if key in plans:
+            return plans[key]
+        found = kernel_writes(tx, state)
+        made = None
+        if found is not None:
+            written = {id(x) for x in found.state if isinstance(x, Tensor)}
+            keep = [id(x) in written for x in leaves]
+            copies = [i for i, x in enumerate(leaves) if isinstance(x, Tensor) and not keep[i]]
+            made = _Plan(keep, copies, found.writes_grads)
+        if len(plans) >= 8:
+            plans.clear()
+        plans[key] = made
+        return made
 
     def step(params: PyTree, grads: PyTree, state: OptState) -> tuple[PyTree, OptState]:
-        if _fusable(tx, state) and not recording(params, grads, state):
-            view = LeafView(params, grads)
-            with torch.no_grad():
-                new_active, new_state = _fused(tx, view, view.grads, state, flat)
-            leaves = list(view.all_params)
-            for i, p in zip(view.idx, new_active, strict=True):
-                leaves[i] = p
-            return view.spec.unflatten(leaves), new_state
-        updates, new_state = tx.update(grads, state, params)
-        return apply_updates(params, updates), new_state
+        leaves, spec = tree_flatten(state)
+        traced = torch.compiler.is_compiling() or recording(params, grads, leaves)
+        found = None if traced else plan(leaves, spec, state)
+        if found is None:
+            updates, new_state = tx.update(grads, state, params)
+            return apply_updates(params, updates), new_state
+        assert tx.step is not None
+        shadow = state
+        if found.copies:  # the state the kernel does not write: a schedule's count, ...
+            shadow_leaves = list(leaves)
+            for i in found.copies:
+                shadow_leaves[i] = clone(leaves[i])
+            shadow = spec.unflatten(shadow_leaves)
+        if found.writes_grads:
+            grads = tree_map(_copy, grads)
+        with runner.lock, running_with(runner), torch.no_grad():
+            runner.begin()
+            try:
+                new_state = tx.step(params, grads, shadow)
+                get = runner.replaced.get
+                param_leaves, param_spec = tree_flatten(params)
+                new_active = map(get, map(id, param_leaves), param_leaves)
+                new_params = param_spec.unflatten(list(new_active))
+                new_leaves, new_spec = tree_flatten(new_state)
+                mapped = list(map(get, map(id, new_leaves), new_leaves))
+                # an old tensor no kernel wrote (a leaf without a gradient) is copied, so that
+                # the new state shares nothing with the old
+                stale = set(map(id, compress(leaves, found.kernel_writes)))
+                stale.intersection_update(map(id, mapped))
+                if stale:
+                    mapped = [_copy(x) if id(x) in stale else x for x in mapped]
+                new_state = new_spec.unflatten(mapped)
+            finally:
+                runner.begin()  # hold no tensor of this call
+        return new_params, new_state
 
     return step
 
 
-def _inner(tx: GradientTransformation, state: OptState) -> tuple[GradientTransformation, Any]:
-    found = injected_inner(tx, state)
-    assert found is not None
-    return found
+class KernelWrites(NamedTuple):
+    """What a step's kernel writes beyond the params: ``state`` leaves (``None`` for a buffer
+    it makes), and the gradients (``writes_grads``) when components before it rescale them."""
+
+    state: Sequence[Any]
+    writes_grads: bool
 
 
-def _fusable(tx: GradientTransformation, state: OptState) -> bool:
-    """Whether :func:`_fused` knows ``tx`` (read only: nothing is computed)."""
+def kernel_writes(tx: GradientTransformation, state: OptState) -> KernelWrites | None:
+    """What ``tx.step`` writes through one list kernel, or None when its step is not one
+    (see the module docstring; read only: nothing is computed)."""
     found = injected_inner(tx, state)
     if found is not None:
-        return _fusable(*found)
+        return kernel_writes(*found)
+    own = written_state(tx.step, state)
+    if own is not None:
+        return KernelWrites(own, False)
     lists = tx.lists
-    if lists is None or lists.key != "chain" or not isinstance(state, tuple):
-        return False
+    if tx.step is None or lists is None or lists.key != "chain" or not isinstance(state, tuple):
+        return None
     components: Sequence[GradientTransformation] = lists.hyper["transforms"]
     if len(state) != len(components):
-        return False  # the per-leaf path raises the chain's error
+        return None  # the per-leaf path raises the chain's error
     plan = plan_tail(components)
     if plan.rule == "step":
-        i = plan.tail[0]
-        return _fusable(components[i], state[i])
-    return plan.rule == "adam"
+        last = plan.tail[0]
+        inner = kernel_writes(components[last], state[last])
+        if inner is None:
+            return None
+        return KernelWrites(inner.state, inner.writes_grads or bool(plan.head))
+    if plan.rule in TAIL_STATE:
+        own_state = state[plan.tail[0]]
+        leaves = tree_leaves([getattr(own_state, name) for name in TAIL_STATE[plan.rule]])
+        return KernelWrites(leaves, bool(plan.head))
+    return None
 
 
-Prefix = Callable[[list[Tensor], bool], list[Tensor]]
+class _Plan(NamedTuple):
+    """Per flattened state leaf, whether the kernel writes it; whether grads are written."""
+
+    kernel_writes: list[bool]
+    copies: list[int]  # the positions of the other tensors
+    writes_grads: bool
 
 
-def _no_prefix(updates: list[Tensor], owned: bool) -> list[Tensor]:
-    return updates
-
-
-def _fused(
-    tx: GradientTransformation,
-    view: LeafView,
-    updates: list[Tensor],
-    state: OptState,
-    flat: FlatAdam,
-    prefix: Prefix = _no_prefix,
-) -> tuple[list[Tensor], OptState]:
-    """New active params and the new state of a transform :func:`_fusable` accepted.
-
-    ``prefix(updates, owned)`` runs the components of enclosing chains that come before
-    ``tx`` (``owned``: on the step's private copy of the gradients, in place).
-    """
-    if injected_inner(tx, state) is not None:
-        inner_tx, inner_state = _inner(tx, state)
-        new_params, new_inner = _fused(inner_tx, view, updates, inner_state, flat, prefix)
-        return new_params, InjectHyperparamsState(state.hyperparams, new_inner)
-    assert tx.lists is not None
-    components: Sequence[GradientTransformation] = tx.lists.hyper["transforms"]
-    plan = plan_tail(components)
-    new_state = list(state)
-    head = [components[i] for i in plan.head]
-    head_state = [state[i] for i in plan.head]
-
-    def run_head(current: list[Tensor], owned: bool) -> list[Tensor]:
-        current, states = pure_apply_all(head, prefix(current, owned), head_state, view, owned)
-        for i, s in zip(plan.head, states, strict=True):
-            new_state[i] = s
-        return current
-
-    if plan.rule == "step":
-        i = plan.tail[0]
-        new_params, new_state[i] = _fused(components[i], view, updates, state[i], flat, run_head)
-        return new_params, tuple(new_state)
-    tail = [_lists(components[i]) for i in plan.tail]
-    adam = plan.tail[0]
-    check_tail(plan.rule, tail[0], state[adam], view, updates)  # before the head runs
-    last = plan.tail[-1]
-    new_state[last] = _copy_state(state[last])  # a schedule counts this step in the copy
-    lr = _learning_rate(tail[-1], new_state[last])
-    wd, decayed, rest = _decay_split(tail, view)
-    groups = [(list(range(len(updates))), wd)] if decayed is None else [(decayed, wd), (rest, 0.0)]
-    hyper = tail[0].hyper
-    trivial = not head and prefix is _no_prefix
-    head_fn = None if trivial else lambda owned: run_head(owned, True)
-    result = flat.step(view, updates, head_fn, hyper, state[adam], lr, groups)
-    if result is None:  # gradients unlike their params: the head on copies, the kernel objects
-        current = run_head(updates, False)
-        result = flat.step(view, current, None, hyper, state[adam], lr, groups, fused_only=True)
-        assert result is not None
-    new_params, new_state[adam] = result
-    return new_params, tuple(new_state)
+def _copy(x: Any) -> Any:
+    return clone(x) if isinstance(x, Tensor) else x

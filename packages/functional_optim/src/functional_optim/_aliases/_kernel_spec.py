@@ -29,6 +29,7 @@ from torch import Tensor
 from functional_optim._aliases._common import FlatView, component
 from functional_optim._base import OptState
 from functional_optim._input_checks import GradRules, Shape
+from functional_optim._kernel_runner import Role
 
 __all__ = [
     "GRADS",
@@ -187,10 +188,18 @@ class _Plan:
     checked: list[tuple[int, StateArg]]  # state lists without a ``when``: checked each step
     lr_index: int | None
     impl_index: int | None
+    roles: tuple[Role, ...]  # what the kernel does with each argument (``run_kernel``)
+
+
+def _role(arg: KernelArg) -> Role:
+    if isinstance(arg, StateArg):
+        return "write" if arg.shape == "param" else "count" if arg.shape == "scalar" else "other"
+    return "write" if arg is PARAMS else "read" if arg is GRADS else None
 
 
 def _plan(spec: KernelSpec) -> _Plan:
-    plan = _Plan([None] * len(spec.args), [], [], [], [], [], None, None)
+    roles = tuple(_role(arg) for arg in spec.args)
+    plan = _Plan([None] * len(spec.args), [], [], [], [], [], None, None, roles)
     kinds = list(inspect.signature(spec.kernel).parameters.values())
     for i, arg in enumerate(spec.args):
         if isinstance(arg, StateArg):

@@ -9,6 +9,7 @@ alias is built; a step only flattens the trees, gathers the state lists and call
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,8 +38,9 @@ from functional_optim._aliases._kernel_spec import (
 )
 from functional_optim._base import GradientTransformation, OptState, UpdateFn
 from functional_optim._input_checks import Buffer, GradRules, Shape, check_step
+from functional_optim._kernel_runner import run_kernel
 from functional_optim._step_checks import CHECKER
-from functional_optim._tree import PyTree
+from functional_optim._tree import PyTree, tree_leaves
 
 #: The declaration names (:mod:`functional_optim._aliases._kernel_spec`) stay importable from
 #: here, where registry entries (and the README) take them.
@@ -58,6 +60,7 @@ __all__ = [
     "kernel_update",
     "state",
     "with_kernel",
+    "written_state",
 ]
 
 
@@ -218,7 +221,7 @@ def kernel_step(
         )
     slots = _slots(spec, values, path)
     kernel, state_type, guard = spec.kernel, spec.state_type, slots.guard
-    lr_index, impl_index = spec.plan.lr_index, spec.plan.impl_index
+    lr_index, impl_index, roles = spec.plan.lr_index, spec.plan.impl_index, spec.plan.roles
 
     def step(params: PyTree, grads: PyTree, full: OptState) -> OptState:
         view, st, args = _arguments(params, grads, full, state_type, slots)
@@ -230,13 +233,31 @@ def kernel_step(
         if slots.lr is not None:
             args[lr_index] = slots.lr(view, st, full)  # type: ignore[index]
         if lazy is None:
-            kernel(*args)
+            run_kernel(kernel, args, roles)
             return full
         lazy.fill(view, args)
-        kernel(*args)
+        run_kernel(kernel, args, roles)
         return lazy.write_back(view, full)
 
+    _SPEC_OF[step] = spec
     return step
+
+
+#: kernel step -> its declaration (read by ``pure_step`` through :func:`written_state`)
+_SPEC_OF: weakref.WeakKeyDictionary[Callable[..., Any], KernelSpec] = weakref.WeakKeyDictionary()
+
+
+def written_state(step: Callable[..., Any] | None, full: OptState) -> list[Any] | None:
+    """The leaves of ``full`` that ``step``'s kernel writes (every state list it declares;
+    ``None`` for a buffer not made yet), or None when ``step`` is not a :func:`kernel_step`."""
+    spec = _SPEC_OF.get(step) if step is not None else None
+    if spec is None:
+        return None
+    out: list[Any] = []
+    for arg in spec.args:
+        if isinstance(arg, StateArg):
+            out += tree_leaves(getattr(component(full, arg.of or spec.state_type), arg.field))
+    return out
 
 
 def kernel_update(spec: KernelSpec, values: Mapping[str, Any], update: UpdateFn) -> UpdateFn:
