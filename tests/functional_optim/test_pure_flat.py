@@ -17,8 +17,8 @@ import functional_optim as fo
 from functional_optim._flat_buffers import MAX_GENERATIONS, Pool
 from functional_optim._pure_flat import FlatRunner
 
-from ._parity import assert_tensors_equal, clone_tensors, make_grads, make_params
 from . import test_pure_step
+from ._parity import assert_tensors_equal, clone_tensors, make_grads, make_params
 from .test_pure_step import _others, _tensors
 
 TOL = {torch.float32: (2e-6, 1e-7), torch.float64: (1e-12, 1e-14)}
