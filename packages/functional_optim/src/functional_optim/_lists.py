@@ -143,6 +143,10 @@ class LeafView:
             return leaves
         return [leaves[i] for i in self.idx]
 
+    def take(self, leaves: Sequence[Any]) -> list[Any]:
+        """The entries of a full-length leaf list at the positions with a gradient."""
+        return [leaves[i] for i in self.idx]
+
     def spec_leaves(self, tree: PyTree) -> list[Any]:
         """Every leaf of a state tree mirroring the params (to rebuild it with new buffers)."""
         return leaves_like(self.spec, tree, "state")

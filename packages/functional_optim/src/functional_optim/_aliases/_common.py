@@ -141,38 +141,6 @@ def lr_value(lr: LearningRate, state: OptState) -> float:
     return float(lr)
 
 
-class FlatView:
-    """Params, grads and state trees flattened once for a kernel call.
-
-    ``idx`` are the positions with a gradient; ``take(leaves)`` keeps those, as torch's
-    ``_init_group`` skips params whose ``.grad`` is None; ``active_params``/``active_grads`` are
-    the params and grads at those positions.
-    """
-
-    def __init__(self, params: PyTree, grads: PyTree) -> None:
-        self.params, self.spec = tree_flatten(params)
-        self.grads = leaves_like(self.spec, grads, "grads")
-        self.idx = [i for i, g in enumerate(self.grads) if g is not None]
-        self.active_params = self.take(self.params)
-        self.active_grads = self.take(self.grads)
-
-    def leaves(self, tree: PyTree) -> list[Any]:
-        """Leaves of a state tree mirroring the params."""
-        return leaves_like(self.spec, tree, "state")
-
-    def take(self, leaves: list[Any]) -> list[Any]:
-        """The entries of ``leaves`` at the positions that have a gradient."""
-        return [leaves[i] for i in self.idx]
-
-    def gather(self, tree: PyTree) -> list[Any]:
-        """The leaves of a state tree at the positions that have a gradient."""
-        return self.take(self.leaves(tree))
-
-    def unflatten(self, leaves: list[Any]) -> PyTree:
-        """Rebuild a tree shaped like the params."""
-        return self.spec.unflatten(leaves)
-
-
 def as_float(x: float | Tensor) -> float:
     """A hyperparameter as a Python float (tensors are read once, outside the pure path)."""
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)

@@ -26,10 +26,11 @@ from typing import Any, Literal
 
 from torch import Tensor
 
-from functional_optim._aliases._common import FlatView, component
+from functional_optim._aliases._common import component
 from functional_optim._base import OptState
 from functional_optim._input_checks import GradRules, Shape
 from functional_optim._kernel_runner import Role
+from functional_optim._lists import LeafView
 
 __all__ = [
     "GRADS",
@@ -157,7 +158,7 @@ class KernelSpec:
         return names
 
 
-Getter = Callable[[FlatView, Any, OptState], Any]
+Getter = Callable[[LeafView, Any, OptState], Any]
 
 
 def _state_getter(arg: StateArg, default_type: type) -> Getter:
@@ -168,12 +169,12 @@ def _state_getter(arg: StateArg, default_type: type) -> Getter:
     return lambda view, st, full: view.gather(getattr(component(full, owner), field))
 
 
-def _params(view: FlatView, st: Any, full: OptState) -> list[Tensor]:
-    return view.active_params
+def _params(view: LeafView, st: Any, full: OptState) -> list[Tensor]:
+    return list(view.params)  # a kernel runner refills the list it is given
 
 
-def _grads(view: FlatView, st: Any, full: OptState) -> list[Tensor]:
-    return view.active_grads
+def _grads(view: LeafView, st: Any, full: OptState) -> list[Tensor]:
+    return view.grads
 
 
 @dataclass(frozen=True)

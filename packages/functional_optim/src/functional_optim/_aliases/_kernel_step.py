@@ -19,7 +19,6 @@ from torch import Tensor
 
 from functional_optim._aliases._common import (
     AUTO,
-    FlatView,
     KernelPath,
     component,
     lr_value,
@@ -39,6 +38,7 @@ from functional_optim._aliases._kernel_spec import (
 from functional_optim._base import GradientTransformation, OptState, UpdateFn
 from functional_optim._input_checks import Buffer, GradRules, Shape, check_step
 from functional_optim._kernel_runner import run_kernel
+from functional_optim._lists import LeafView
 from functional_optim._step_checks import CHECKER
 from functional_optim._tree import PyTree, tree_leaves
 
@@ -72,7 +72,7 @@ def _lr_getter(lr: Any) -> Getter | float:
     return float(lr)
 
 
-def _empty(view: FlatView, st: Any, full: OptState) -> list[Tensor]:
+def _empty(view: LeafView, st: Any, full: OptState) -> list[Tensor]:
     return []
 
 
@@ -134,12 +134,12 @@ def _slots(spec: KernelSpec, values: Mapping[str, Any], path: KernelPath = AUTO)
 class _Buffers:
     """The lazily created buffers of one step, gathered with their None entries."""
 
-    def __init__(self, spec: KernelSpec, slots: _Slots, view: FlatView, st: Any, full: OptState):
+    def __init__(self, spec: KernelSpec, slots: _Slots, view: LeafView, st: Any, full: OptState):
         self.entries: list[tuple[int, Any, int, bool, list[Any], list[Any]]] = []
         for i, arg in slots.lazy:
             owner: Any = st if arg.of is None else component(full, arg.of)
             index = _field_index(arg.of or spec.state_type, arg.field)
-            leaves = view.leaves(owner[index])
+            leaves = view.spec_leaves(owner[index])
             self.entries.append((i, owner, index, arg.fill == "zeros", leaves, view.take(leaves)))
         self.labels = [_label(spec, arg) for _, arg in slots.lazy]
 
@@ -149,26 +149,26 @@ class _Buffers:
             for label, (*_, taken) in zip(self.labels, self.entries, strict=True)
         ]
 
-    def fill(self, view: FlatView, args: list[Any]) -> None:
+    def fill(self, view: LeafView, args: list[Any]) -> None:
         """Zeros for the None entries of ``"zeros"`` buffers; the lists into ``args``."""
         for i, _, _, zeros, leaves, taken in self.entries:
             if zeros:
                 for k, j in enumerate(view.idx):
                     if leaves[j] is None:
-                        p = view.params[j]
+                        p = view.all_params[j]
                         leaves[j] = taken[k] = torch.zeros_like(
                             p, memory_format=torch.preserve_format
                         )
             args[i] = taken
 
-    def write_back(self, view: FlatView, full: OptState) -> OptState:
+    def write_back(self, view: LeafView, full: OptState) -> OptState:
         """The chain state with the (possibly new) buffers."""
         for _, owner, index, zeros, leaves, taken in self.entries:
             if not zeros:  # the kernel stores a new buffer on a param's first step
                 for j, buf in zip(view.idx, taken, strict=True):
                     leaves[j] = buf
             fields = list(owner)
-            fields[index] = view.unflatten(leaves)
+            fields[index] = view.spec.unflatten(leaves)
             full = replace_component(full, type(owner)(*fields))
         return full
 
@@ -176,20 +176,20 @@ class _Buffers:
 def _check(
     spec: KernelSpec,
     slots: _Slots,
-    view: FlatView,
+    view: LeafView,
     args: list[Any],
     lazy: _Buffers | None,
     meta: bool = False,
 ) -> bool:
     """:func:`check_step` on what the kernel will get (before anything is written)."""
     if spec.check_inputs is not None:
-        spec.check_inputs(view.active_params, view.active_grads)
+        spec.check_inputs(view.params, view.grads)
     buffers: list[Buffer] = [(label, shape, args[i]) for i, label, shape in slots.checked]
     if lazy is not None:
         buffers += lazy.checked()
     # under a torch.func transform the tensors are wrappers: the plain check, no guards
     check = check_step if torch._C._functorch.peek_interpreter_stack() is not None else CHECKER
-    return check(slots.rules, view.active_params, view.active_grads, buffers, meta=meta)
+    return check(slots.rules, view.params, view.grads, buffers, meta=meta)
 
 
 def kernel_step(
@@ -229,7 +229,7 @@ def kernel_step(
         if not _check(spec, slots, view, args, lazy) and impl_index is not None:
             args[impl_index] = "single"  # torch's per-tensor path promotes other dtypes
         if guard is not None:
-            guard(view.active_params)
+            guard(view.params)
         if slots.lr is not None:
             args[lr_index] = slots.lr(view, st, full)  # type: ignore[index]
         if lazy is None:
@@ -286,10 +286,10 @@ def kernel_update(spec: KernelSpec, values: Mapping[str, Any], update: UpdateFn)
 
 def _arguments(
     params: PyTree, grads: PyTree, full: OptState, state_type: type, slots: _Slots
-) -> tuple[FlatView, Any, list[Any]]:
+) -> tuple[LeafView, Any, list[Any]]:
     """The flat view, the algorithm's state and the kernel's arguments for one step (the
     lazily created buffers and a schedule's learning rate not yet filled in)."""
-    view = FlatView(params, grads)
+    view = LeafView(params, grads)
     st: Any = component(full, state_type)
     args = slots.template.copy()
     for i, get in slots.dynamic:
