@@ -18,7 +18,6 @@ from functional_optim._transforms.scale import (
     scale_by_learning_rate,
 )
 from functional_optim._transforms.weight_decay import add_decayed_weights
-from functional_optim._tree import PyTree, leaves_like, tree_flatten
 
 LearningRate = float | Tensor | Schedule
 S = TypeVar("S")
