@@ -21,11 +21,12 @@ A transform is a pair of pure functions, plus an optional in-place fast path:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol, TypeAlias
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from functional_optim._fn_types import InitFn, OptState, StepFn, UpdateFn
 from functional_optim._fusion import chain_step
 from functional_optim._lists import (
     LeafView,
@@ -48,29 +49,6 @@ __all__ = [
     "chain",
     "identity",
 ]
-
-#: A transform state: a (nested tuple of) typed NamedTuple(s) whose leaves are tensors.
-OptState: TypeAlias = Any
-
-
-class InitFn(Protocol):
-    """``init(params) -> state``."""
-
-    def __call__(self, params: PyTree) -> OptState: ...
-
-
-class UpdateFn(Protocol):
-    """``update(updates, state, params=None, *, inplace=False) -> (updates, state)``."""
-
-    def __call__(
-        self, updates: PyTree, state: OptState, params: PyTree = None, *, inplace: bool = False
-    ) -> tuple[PyTree, OptState]: ...
-
-
-class StepFn(Protocol):
-    """``step(params, grads, state) -> state``: update ``params`` and ``state`` in place."""
-
-    def __call__(self, params: PyTree, grads: PyTree, state: OptState) -> OptState: ...
 
 
 class GradientTransformation(NamedTuple):

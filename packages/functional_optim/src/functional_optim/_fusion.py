@@ -49,20 +49,18 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from functional_optim import _tail_kernels as tail_kernels
 from functional_optim import kernels
+from functional_optim._fn_types import OptState, StepFn
 from functional_optim._kernel_runner import Role, run_kernel
 from functional_optim._lists import LeafView, ListTransform
 from functional_optim._step_checks import CHECKER, Buffer, GradRules
 from functional_optim._tree import PyTree
-
-if TYPE_CHECKING:
-    from functional_optim._base import OptState, StepFn
 
 __all__ = ["ADAM_SPARSE", "chain_step", "check_tail", "plan_tail", "view_step"]
 
