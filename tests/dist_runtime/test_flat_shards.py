@@ -16,7 +16,12 @@ from typing import Any
 import pytest
 import torch
 
-from dist_runtime.flat_shards import FlatShards, check_elementwise_optimizer
+import functional_optim as fo
+from dist_runtime.flat_shards import (
+    FlatShards,
+    check_elementwise_optimizer,
+    elementwise_optimizers,
+)
 from dist_runtime.streaming_consolidation import consolidate_piece_states, load_global_state
 from tests._world import World
 
@@ -189,12 +194,18 @@ class _WholeTensor(torch.optim.SGD):
 
 
 def test_check_elementwise_optimizer() -> None:
-    for cls in (torch.optim.Adam, torch.optim.Rprop, torch.optim.SGD):
-        check_elementwise_optimizer(cls)
+    """The known element-wise classes are the registry's entries declared ``elementwise``."""
+    known = {a.torch_name for a in fo.ALGORITHMS if a.elementwise}
+    assert {"SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Rprop", "ASGD"} <= known
+    assert not {"LBFGS", "Adafactor", "Muon", "SparseAdam"} & known
+    assert {c.__name__ for c in elementwise_optimizers()} == known
+    for name in sorted(known):
+        check_elementwise_optimizer(getattr(torch.optim, name))
     with pytest.raises(ValueError, match="declares elementwise_update = False"):
         check_elementwise_optimizer(_WholeTensor)
-    with pytest.raises(ValueError, match="not a known elementwise optimizer"):
-        check_elementwise_optimizer(torch.optim.LBFGS)
+    for name in ("LBFGS", "Adafactor", "Muon"):
+        with pytest.raises(ValueError, match="not a known elementwise optimizer"):
+            check_elementwise_optimizer(getattr(torch.optim, name))
 
 
 def _consolidate(

@@ -38,30 +38,24 @@ from dist_runtime.flat_partition import FlatLayout, group_by_key, plan_flat_layo
 from dist_runtime.piece_state import Piece
 from dist_runtime.process_group import group_rank, group_size, resolve_group
 from dist_runtime.ring_reduce_scatter import ring_reduce_scatter
+from functional_optim import ALGORITHMS
 from functional_optim.lowbit import Placement, Sharing
 
 __all__ = [
-    "ELEMENTWISE_OPTIMIZERS",
     "FlatBucket",
     "FlatShards",
     "check_elementwise_optimizer",
     "clip_grads_by_global_norm",
+    "elementwise_optimizers",
 ]
 
-#: torch.optim classes whose update of an element reads only that element's grad and state.
-ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adamax,
-    torch.optim.Adagrad,
-    torch.optim.Adadelta,
-    torch.optim.RMSprop,
-    torch.optim.Rprop,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.ASGD,
-)
+
+def elementwise_optimizers() -> tuple[type[torch.optim.Optimizer], ...]:
+    """The torch.optim classes whose update of an element reads only that element's grad and
+    state: those of the registry's entries declared ``elementwise``."""
+    found = (getattr(torch.optim, a.torch_name, None) for a in ALGORITHMS if a.elementwise)
+    return tuple(c for c in found if isinstance(c, type))
+
 
 _UNSUPPORTED = ("not supported", "does not support", "not implemented", "unsupported")
 
@@ -72,7 +66,7 @@ def check_elementwise_optimizer(optimizer_class: Any) -> None:
     A class may declare ``elementwise_update = True`` (each element's update reads only that
     element's gradient and state, like Adam) or ``False`` (it needs whole tensors: norms, matrix
     factors, line searches). Undeclared classes are accepted when they derive from one of
-    :data:`ELEMENTWISE_OPTIMIZERS`.
+    :func:`elementwise_optimizers` (the registry's ``elementwise`` entries).
 
     Raises:
         ValueError: if the class declares ``elementwise_update = False`` or declares nothing and
@@ -85,7 +79,7 @@ def check_elementwise_optimizer(optimizer_class: Any) -> None:
     if (
         declared is None
         and isinstance(optimizer_class, type)
-        and issubclass(optimizer_class, ELEMENTWISE_OPTIMIZERS)
+        and issubclass(optimizer_class, elementwise_optimizers())
     ):
         return
     reason = (

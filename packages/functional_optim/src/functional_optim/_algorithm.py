@@ -78,6 +78,9 @@ class Algorithm:
             ``centered``: torch's ``lerp_`` takes one dtype).
         needs_closure: ``step`` takes a closure in place of the gradients (LBFGS); driven by
             ``fo.Optimizer.step(closure)``.
+        elementwise: each element's update reads only that element's gradient and state (no
+            norm, factor or line search), so a param may be split anywhere: ZeRO's flat
+            partition takes ``torch.optim.<torch_name>`` (``dist_runtime.flat_shards``).
         torch_only_args: torch constructor arguments a generated alias leaves out
             (implementation switches such as ``foreach``; the built-in aliases take them all).
         doc: the generated alias's docstring.
@@ -102,6 +105,7 @@ class Algorithm:
     promotes: bool = False
     one_dtype_when: str | None = None
     needs_closure: bool = False
+    elementwise: bool = False
     torch_only_args: frozenset[str] = field(
         default=frozenset({"foreach", "capturable", "differentiable", "fused"})
     )
