@@ -38,8 +38,15 @@ class _Spy:
 
         monkeypatch.setattr(FlatRunner, "__init__", recording_init)
 
-    def pools(self) -> list[Pool]:
-        return [pool for r in self.runners for pools in r._pools.values() for pool in pools]
+    def pools(self, kind: str = "kernel") -> list[Pool]:
+        """The pools of the kernel calls' outputs, or (``"copies"``) of gradient copies."""
+        return [
+            pool
+            for r in self.runners
+            for key, pools in r._pools.items()
+            if (key[0] == "copies") == (kind == "copies")
+            for pool in pools
+        ]
 
     def generations(self) -> int:
         return sum(len(pool.generations) for pool in self.pools())
@@ -153,7 +160,8 @@ def test_float32_and_float64_leaves_and_a_masked_decay(spy: _Spy) -> None:
         assert _others(state) == _others(ref_state)
     pools = spy.pools()
     assert len(pools) == 2
-    for pool in pools:
+    assert len(spy.pools("copies")) == 1  # the clipped gradients
+    for pool in [*pools, *spy.pools("copies")]:
         assert {b.dtype for b in pool.layout.buckets} == {torch.float32, torch.float64}
 
 

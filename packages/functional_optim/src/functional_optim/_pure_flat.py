@@ -132,6 +132,20 @@ class FlatRunner:
             other.release()
         return pool, source
 
+    def copies(self, tensors: list[Tensor]) -> list[Tensor]:
+        """Copies of ``tensors`` (the gradients a chain's first components rescale in place),
+        in a recycled flat buffer when one can hold them."""
+        if not tensors or not _poolable([tensors]):
+            return [clone(t) for t in tensors]
+        pools = self._pools.setdefault(("copies", torch.is_inference_mode_enabled()), [])
+        pool = next((p for p in pools if p.layout.fits(tensors)), None)
+        if pool is None:
+            pool = Pool(Layout(tensors), 1)
+            pools[:] = [pool, *pools][:MAX_LAYOUTS]
+        views = pool.acquire().views[0]
+        torch._foreach_copy_(views, tensors)
+        return list(views)
+
     def __call__(self, kernel: Callable[..., None], args: list[Any], roles: Sequence[Role]) -> None:
         """Run ``kernel(*args)`` with new tensors in the lists it writes; ``args``' lists are
         refilled with them (a step that stores its lists back finds the new ones)."""

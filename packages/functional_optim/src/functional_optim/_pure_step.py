@@ -45,7 +45,7 @@ from functional_optim._lists import recording
 from functional_optim._pure_flat import FlatRunner, clone
 from functional_optim._tail_kernels import TAIL_STATE
 from functional_optim._transforms.hyperparams import injected_inner
-from functional_optim._tree import PyTree, tree_flatten, tree_leaves, tree_map
+from functional_optim._tree import PyTree, tree_flatten, tree_leaves
 
 __all__ = ["CHUNK_BYTES", "PureStepFn", "pure_step"]
 
@@ -142,11 +142,16 @@ def pure_step(
             for i in found.copies:
                 shadow_leaves[i] = clone(leaves[i])
             shadow = spec.unflatten(shadow_leaves)
-        if found.writes_grads:
-            grads = tree_map(_copy, grads)
         with runner.lock, running_with(runner), torch.no_grad():
             runner.begin()
             try:
+                if found.writes_grads:  # the components before the kernel rescale them
+                    grad_leaves, grad_spec = tree_flatten(grads)
+                    present = [g for g in grad_leaves if g is not None]
+                    copies = iter(runner.copies(present))
+                    grads = grad_spec.unflatten(
+                        [None if g is None else next(copies) for g in grad_leaves]
+                    )
                 new_state = tx.step(params, grads, shadow)
                 get = runner.replaced.get
                 param_leaves, param_spec = tree_flatten(params)
