@@ -168,10 +168,6 @@ def test_modules_are_named_by_purpose() -> None:
 
 #: The most lines a module of functional_optim may have (small modules, one purpose each).
 MAX_MODULE_LINES = 400
-#: Modules still over the limit, with the most lines they may keep until they are split.
-OVER_LIMIT = {
-    "kernels/adam.py": 447,  # being split in issue 21
-}
 
 
 def test_no_module_is_over_400_lines() -> None:
@@ -180,9 +176,5 @@ def test_no_module_is_over_400_lines() -> None:
         path.relative_to(root).as_posix(): path.read_text().count("\n")
         for path in sorted(root.rglob("*.py"))
     }
-    over = {
-        name: count
-        for name, count in lines.items()
-        if count > max(MAX_MODULE_LINES, OVER_LIMIT.get(name, 0))
-    }
+    over = {name: count for name, count in lines.items() if count > MAX_MODULE_LINES}
     assert not over, f"modules over {MAX_MODULE_LINES} lines (split them by purpose): {over}"

@@ -8,8 +8,8 @@ from typing import List
 
 from torch import Tensor
 
+from functional_optim.kernels._adam_paths import _adam_foreach, _adam_fused, _adam_single, adam_impl
 from functional_optim.kernels._dispatch import resolve_impl
-from functional_optim.kernels.adam import _adam_foreach, _adam_fused, _adam_single, adam_impl
 
 
 def adamw_single(
