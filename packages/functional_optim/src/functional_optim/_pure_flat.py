@@ -14,8 +14,8 @@ Nothing in it knows an algorithm: it only reads the roles.
 * Step counters (``"count"``) get copies (one op when they are one block's views,
   :mod:`functional_optim._counts`).
 * Anything flat buffers cannot hold (a list with a buffer not yet made, non-strided tensors,
-  leaves whose dtype differs between lists, lists of other shapes: role ``"other"``) gets
-  clones, and the kernel runs once on the whole call.
+  tensor subclasses such as DTensor, leaves whose dtype differs between lists, lists of other
+  shapes: role ``"other"``) gets clones, and the kernel runs once on the whole call.
 
 The kernel is the one ``tx.step`` runs, on the same values, so the result equals ``tx.step`` on
 copies bitwise (element-wise kernels do not depend on how the leaves are chunked).
@@ -44,6 +44,10 @@ _WHOLE = 1 << 62
 MAX_LAYOUTS = 4
 
 
+#: The tensor types flat buffers stand in for (their views are plain tensors).
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
 def clone(t: Tensor) -> Tensor:
     """A copy of ``t`` with its strides (a new tensor nothing else refers to)."""
     if t.layout != torch.strided:
@@ -58,7 +62,7 @@ def _poolable(lists: Sequence[list[Any]]) -> bool:
     for leaves in lists:
         for t, p in zip(leaves, first, strict=True):
             if (
-                not isinstance(t, Tensor)
+                type(t) not in _PLAIN  # a subclass (DTensor) keeps its type: cloned
                 or t.layout != torch.strided
                 or t.shape != p.shape
                 or t.dtype != p.dtype
