@@ -256,6 +256,36 @@ def test_bad_groups_raise_before_any_change(world2: World) -> None:
     assert len(first) == 5
 
 
+def _check_pure_step(rank: int, world_size: int) -> list[float]:
+    """``fo.pure_step`` on FSDP2's DTensor params: DTensors out, inputs untouched, and
+    ``tx.step``'s numbers on the same gradients (the kernel runs on clones: no flat buffers)."""
+    model = _fsdp_model()
+    _backward(model, 0)
+    params = [p.detach() for p in model.parameters()]
+    grads = [p.grad for p in model.parameters()]
+    tx = fo.adamw(lr=0.05, weight_decay=0.1)
+    step = fo.pure_step(tx)
+    ref_params = [p.clone() for p in params]
+    ref_state = tx.init(ref_params)
+    state = tx.init(params)
+    before = _snapshot(params)
+    new_params, state = step(params, grads, state)
+    new_params, state = step(new_params, grads, state)
+    for _ in range(2):
+        ref_state = tx.step(ref_params, [g.clone() for g in grads], ref_state)
+    assert all(type(p).__name__ == "DTensor" for p in new_params)
+    assert _unchanged(params, before)
+    return [
+        float((a - b).abs().max()) if a.numel() else 0.0
+        for a, b in zip(_full(new_params), _full(ref_params), strict=True)
+    ]
+
+
+def test_pure_step_on_fsdp2_params_matches_its_in_place_step(world2: World) -> None:
+    for diffs in world2.run(_check_pure_step):
+        assert max(diffs) == 0.0, diffs
+
+
 # -- 2 x 2 mesh: FSDP on "dp", tensor parallel on "tp" (4 ranks) -------------------------------
 
 
