@@ -346,3 +346,27 @@ def test_cuda_pure_step_matches_in_place_step() -> None:
         assert_tensors_equal(list(new_params), ref_params, what="params")
         assert_tensors_equal(_tensors(new_state), _tensors(ref_state), what="state")
         params, state = new_params, new_state
+
+
+@pytest.mark.parametrize(
+    "make_tx",
+    [
+        lambda: fo.adam(lr=LR),
+        lambda: fo.chain(fo.clip_by_global_norm(0.5), fo.scale_by_adam(), fo.scale(-LR)),
+        lambda: fo.chain(fo.scale_by_lion(), fo.scale_by_learning_rate(LR)),
+    ],
+    ids=["adam", "clipped adam tail", "lion tail"],
+)
+def test_step_counters_stay_one_block(make_tx: Callable[[], fo.GradientTransformation]) -> None:
+    """The counters a kernel increments are copied as one block (one op), not cloned one by
+    one before the step: the new counters are views of one buffer, as ``init`` made them."""
+    tx = make_tx()
+    params, state = _loop(fo.pure_step(tx), tx, make_params(((3, 2), (5,), (4,))), 3, seed=21)
+    counts = [
+        t
+        for t in _tensors(state)
+        if t.dim() == 0 and t.dtype == torch.float32 and t._base is not None
+    ]
+    assert len(counts) == len(params)
+    assert all(c._base is counts[0]._base for c in counts)
+    assert [float(c) for c in counts] == [3.0] * len(params)

@@ -88,6 +88,15 @@ class Layout:
             )
         )
 
+    def gather(self, leaves: Sequence[Tensor], flats: Sequence[Tensor]) -> None:
+        """Copy ``leaves`` (this layout's shapes, any strides) into one flat buffer per bucket:
+        one ``stack`` per run of a shape (a ``_foreach_copy_`` of many small tensors runs on
+        one thread)."""
+        for bucket, flat in zip(self.buckets, flats, strict=True):
+            for run in bucket.runs:
+                out = flat[run.start : run.stop].view(len(run.positions), *run.shape)
+                torch.stack([leaves[j] for j in run.positions], out=out)
+
     def chunks(self, chunk_bytes: int) -> list[tuple[int, list[int], int, int]]:
         """``(bucket, positions, start, stop)``: the leaves in runs of about ``chunk_bytes``
         per buffer, in flat order (a larger leaf is a chunk of its own)."""

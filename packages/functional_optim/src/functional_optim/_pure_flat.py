@@ -146,9 +146,9 @@ class FlatRunner:
         if pool is None:
             pool = Pool(Layout(tensors), 1)
             pools[:] = [pool, *pools][:MAX_LAYOUTS]
-        views = pool.acquire().views[0]
-        torch._foreach_copy_(views, tensors)
-        return list(views)
+        gen = pool.acquire()
+        pool.layout.gather(tensors, gen.flats[0])
+        return list(gen.views[0])
 
     def __call__(self, kernel: Callable[..., None], args: list[Any], roles: Sequence[Role]) -> None:
         """Run ``kernel(*args)`` with new tensors in the lists it writes; ``args``' lists are

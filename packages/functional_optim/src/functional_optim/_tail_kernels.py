@@ -29,10 +29,10 @@ __all__ = [
 
 #: The state fields each tail rule's kernel writes (``pure_step`` copies the others).
 TAIL_STATE = {
-    "adam": ("mu", "nu", "nu_max"),
-    "lion": ("mu",),
-    "rms": ("nu", "mu"),
-    "adamax": ("mu", "nu"),
+    "adam": ("count", "mu", "nu", "nu_max"),
+    "lion": ("count", "mu"),
+    "rms": ("count", "nu", "mu"),
+    "adamax": ("count", "mu", "nu"),
     "lr": (),
 }
 
