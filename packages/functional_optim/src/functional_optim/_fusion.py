@@ -277,8 +277,10 @@ def _scalars(view: LeafView, txs: list[ListTransform], states: list[Any]) -> tup
     """A tail's learning rate, weight decay and per-leaf decay flags."""
     lr = _learning_rate(txs[-1], states[-1])
     wd, decayed, _ = _decay_split(txs, view)
-    chosen = None if decayed is None else set(decayed)
-    return lr, wd, [chosen is None or j in chosen for j in range(len(view.params))]
+    decays = [decayed is None] * len(view.params)  # every step: no Python loop when unmasked
+    for j in decayed or ():
+        decays[j] = True
+    return lr, wd, decays
 
 
 def _lion_tail(
