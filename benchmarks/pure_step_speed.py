@@ -1,10 +1,12 @@
 """Benchmark: ``fo.pure_step`` of the element-wise aliases against torch's nearest in-place step.
 
-10M float32 params (1M with ``--quick``) in 100 and in 1000 equal tensors (every fourth one
-1-D). Each row times ``params, state = fo.pure_step(fo.<alias>(...))(params, grads, state)``
-(new params and state every step, nothing the caller passed is written to) against torch's
-nearest in-place step on the same params, in alternating rounds (one step each, rotating order)
-in the same process; the table gives medians and the ratio ours / torch:
+10M float32 params (1M with ``--quick``) in 10, 100 and 1000 equal tensors (every fourth one
+1-D), and in a skewed model (1000 tensors, one holding 60% of the params: the shapes of
+``benchmarks/chain_throughput.py``). Each row times
+``params, state = fo.pure_step(fo.<alias>(...))(params, grads, state)`` (new params and state
+every step, nothing the caller passed is written to) against torch's nearest in-place step on
+the same params, in alternating rounds (one step each, rotating order) in the same process; the
+table gives medians and the ratio ours / torch:
 
 * Adam, AdamW, SGD with momentum: ``torch.optim.Adam`` / ``AdamW`` / ``SGD`` with
   ``fused=True``;
@@ -31,21 +33,13 @@ from torch import Tensor
 
 import functional_optim as fo
 from _harness import benchmark_parser, interleaved_median_ms, table
-from chain_throughput import LION_B1, LION_B2, LR, WD, _leaves, _torch_lion
+from chain_throughput import LION_B1, LION_B2, LR, WD, _leaves, _make, _torch_lion
 
 MOMENTUM = 0.9
-TENSORS = (100, 1000)
+#: (tensors, skewed): few large tensors, the two uniform models, and the skewed one
+MODELS = ((10, False), (100, False), (1000, False), (1000, True))
 HEADERS = ("algorithm", "tensors", "ours", "ours ms", "torch reference", "torch ms", "x torch")
 Step = Callable[[], Any]
-
-
-def _make(total: int, n_tensors: int) -> tuple[list[Tensor], list[Tensor]]:
-    gen = torch.Generator().manual_seed(0)
-    size = total // n_tensors
-    shapes = [(size,) if i % 4 == 3 else (size // 100, 100) for i in range(n_tensors)]
-    params = [torch.randn(s, generator=gen) for s in shapes]
-    grads = [torch.randn(s, generator=gen) * 1e-2 for s in shapes]
-    return params, grads
 
 
 def _torch_optim(make: Callable[[list[Tensor]], torch.optim.Optimizer]) -> Any:
@@ -132,8 +126,8 @@ def main(argv: list[str] | None = None) -> str:
     repeats = args.repeats or (5 if args.quick else 11)
     names = list(ALGORITHMS) if args.only is None else args.only.split(",")
     rows: list[list[object]] = []
-    for n in TENSORS:
-        params, grads = _make(total, n)
+    for n, skewed in MODELS:
+        params, grads = _make(total, n, skewed)
         for name in names:
             make_tx, label, build_torch = ALGORITHMS[name]
             _check(make_tx(), params[:8], grads[:8])
@@ -144,7 +138,7 @@ def main(argv: list[str] | None = None) -> str:
             rows.append(
                 [
                     name,
-                    n,
+                    f"{n} skewed" if skewed else n,
                     f"fo.pure_step(fo.{name.split('-')[0]})",
                     f"{ms['ours']:.2f}",
                     label,
