@@ -286,6 +286,45 @@ def test_pure_step_on_fsdp2_params_matches_its_in_place_step(world2: World) -> N
         assert max(diffs) == 0.0, diffs
 
 
+TX_STEP_CASES: dict[str, tuple[Callable[[], Any], Callable[[Any], torch.optim.Optimizer]]] = {
+    "sgd_momentum": (
+        lambda: fo.sgd(lr=0.1, momentum=0.9),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    ),
+    "adagrad": (lambda: fo.adagrad(lr=0.1), lambda ps: torch.optim.Adagrad(ps, lr=0.1)),
+}
+
+
+def _check_tx_step_on_dtensors(rank: int, world_size: int) -> dict[str, list[float]]:
+    """``tx.step`` straight on FSDP2's DTensor params: SGD and Adagrad, whose fused CPU kernels
+    have no DTensor rule, take torch's default (foreach) path and match torch's optimizer."""
+    diffs = {}
+    for case, (make, make_torch) in TX_STEP_CASES.items():
+        ours, theirs = _fsdp_model(), _fsdp_model()
+        tx = make()
+        params = [p.detach() for p in ours.parameters()]
+        state = tx.init(params)
+        opt = make_torch(list(theirs.parameters()))
+        for step in range(2):
+            _backward(ours, step)
+            _backward(theirs, step)
+            state = tx.step(params, [p.grad for p in ours.parameters()], state)
+            opt.step()
+            ours.zero_grad()
+            opt.zero_grad()
+        diffs[case] = [
+            float((a - b).abs().max()) if a.numel() else 0.0
+            for a, b in zip(_full(ours.parameters()), _full(theirs.parameters()), strict=True)
+        ]
+    return diffs
+
+
+def test_tx_step_on_fsdp2_params_takes_kernels_without_a_dtensor_rule(world2: World) -> None:
+    for diffs in world2.run(_check_tx_step_on_dtensors):
+        assert diffs.keys() == TX_STEP_CASES.keys()
+        assert all(max(d) == 0.0 for d in diffs.values()), diffs
+
+
 # -- 2 x 2 mesh: FSDP on "dp", tensor parallel on "tp" (4 ranks) -------------------------------
 
 

@@ -172,9 +172,10 @@ def make_param_group(params: List[Tensor], allow_empty: bool) -> Dict[str, List[
 
 def pick_impl(params: List[Tensor], foreach: bool, fused: bool, has_fused: bool) -> str:
     """Resolve the kernel path once: explicit ``fused``/``foreach`` flags win (fused first, as
-    in torch's functional API), else the fastest for the device (fused on CPU)."""
+    in torch's functional API), else the fastest for the device (fused on CPU). The kernels
+    step a DTensor's local shard, a plain tensor: any fused kernel takes it."""
     if fused:
         return resolve_impl("fused", params, has_fused)
     if foreach:
         return "foreach"
-    return resolve_impl("auto", params, has_fused)
+    return resolve_impl("auto", params, has_fused, True, True)

@@ -40,20 +40,35 @@ def _first_unfused(params: List[Tensor], fused_on_cuda: bool = True) -> int:
     return -1
 
 
+def _wrapped_subclass(params: List[Tensor]) -> bool:
+    """Whether a param is a wrapper tensor subclass (a DTensor, a torchao tensor): torch's
+    dispatch for it has rules for ``_fused_adam(w)_`` only, not for ``_fused_sgd_`` or
+    ``_fused_adagrad_``."""
+    return len(params) > 0 and hasattr(params[0], "__tensor_flatten__")
+
+
 def resolve_impl(
-    impl: str, params: List[Tensor], has_fused: bool, fused_on_cuda: bool = True
+    impl: str,
+    params: List[Tensor],
+    has_fused: bool,
+    fused_on_cuda: bool = True,
+    fused_on_subclass: bool = False,
 ) -> str:
     """Map ``impl`` (``auto``/``single``/``foreach``/``fused``) to the path to run.
 
     ``auto`` picks ``fused`` when the algorithm has a fused kernel and every param can use it
-    (dense floating point, not complex, on a supported device); otherwise the per-tensor path
-    on CPU and the multi-tensor path elsewhere.
+    (dense floating point, not complex, on a supported device; a DTensor only where torch's
+    DTensor has a rule for that kernel); otherwise the per-tensor path on CPU and the
+    multi-tensor path elsewhere.
 
     Args:
         impl: the requested implementation; ``auto`` picks the fastest for the device.
         params: the parameters to be updated (only their device, dtype and layout are read).
         has_fused: whether torch has a fused kernel for this algorithm.
         fused_on_cuda: whether that kernel runs on CUDA (torch's Adagrad: CPU only).
+        fused_on_subclass: whether ``auto`` may pick the fused kernel for wrapper tensor
+            subclasses such as DTensor (torch's Adam and AdamW kernels have a DTensor rule;
+            without one, ``auto`` takes the multi-tensor path, torch's default for them).
 
     Returns:
         One of ``single``, ``foreach`` or ``fused``.
@@ -96,6 +111,10 @@ def resolve_impl(
         # and the multi-tensor maths elsewhere.
         return "single" if params[0].device.type == "cpu" else "foreach"
     if has_fused and _first_unfused(params, fused_on_cuda) < 0:
+        # nested: TorchScript leaves out the body of ``if not is_scripting()`` only
+        if not torch._jit_internal.is_scripting():  # noqa: SIM102
+            if not fused_on_subclass and _wrapped_subclass(params):
+                return "foreach"
         return "fused"
     if params[0].device.type == "cpu":
         return "single"

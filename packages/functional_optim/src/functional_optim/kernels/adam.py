@@ -188,5 +188,5 @@ def adam(
         eps,
         maximize,
         False,
-        resolve_impl(impl, params, True),
+        resolve_impl(impl, params, True, True, True),
     )

@@ -163,5 +163,5 @@ def adamw(
         eps,
         maximize,
         True,
-        resolve_impl(impl, params, True),
+        resolve_impl(impl, params, True, True, True),
     )
