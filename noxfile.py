@@ -11,7 +11,8 @@ nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = False
 
 PACKAGES = [
-    "packages/functional_optim",
+    # [cpu-kernels]: ninja, to build the one-pass C++ step of 8-bit Adam on CPU
+    "packages/functional_optim[cpu-kernels]",
     "packages/dist_runtime",
     "packages/compat_api",
 ]

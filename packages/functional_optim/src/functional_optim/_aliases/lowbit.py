@@ -75,7 +75,11 @@ def adamw8bit(
     block_size: int = 256,
     min_size: int = 4096,
 ) -> GradientTransformation:
-    """AdamW (``torch.optim.AdamW``'s maths) with 8-bit moments (dynamic exponent map).
+    """AdamW (``torch.optim.AdamW``'s maths) with 8-bit moments (``"int8"`` minifloat codes).
+
+    On fp32 CPU params the step is one C++ pass (decode, update, encode; see
+    ``docs/lowbit.md``); its operations are ordered as written in
+    ``functional_optim._lowbit.adam_maths``, not as torch's fused kernel orders them.
 
     Args:
         lr, betas, eps, weight_decay, maximize: as ``torch.optim.AdamW``.

@@ -4,11 +4,15 @@ A moment is stored as one small integer *code* per element plus one fp32 *scale*
 the element's value is ``table[code] * scale``. The tables are normalised to ``[-1, 1]``
 (``[0, 1]`` unsigned) and the scale of a block is the largest magnitude in it.
 
-* ``"int8"`` / ``"int4"``: a *dynamic exponent* map (Dettmers et al. 2016; bitsandbytes,
-  torchao and Li et al. 2023 use variants): after the sign bit, the run of leading zero bits
-  ``z`` gives a decimal exponent and the bits after the next ``1`` a linear fraction, so a
-  code is ``10**-z * (0.1 + 0.9 * (f + 1) / 2**F)``: fine steps near the block maximum, and
-  values down to ``10**-(bits-1)`` of it. Plus an exact zero. Signed 4-bit values (first
+* ``"int8"``: an 8-bit minifloat per element (:mod:`.minifloat`): a 3-bit fraction and a 4-bit
+  (signed) or 5-bit (non-negative) exponent, so values reach ``2**-15`` (``2**-31``) of the
+  block maximum; decoded and encoded by bit operations on the fp32 pattern, with no table.
+  (Until 2026-11-26 it was bitsandbytes' decimal dynamic exponent map, which needs a table
+  lookup per element: several times slower on CPU, see ``docs/lowbit.md``.)
+* ``"int4"``: a *dynamic exponent* map (Dettmers et al. 2016; bitsandbytes, torchao and Li et
+  al. 2023 use variants): after the sign bit, the run of leading zero bits ``z`` gives a
+  decimal exponent and the bits after the next ``1`` a linear fraction, so a code is
+  ``10**-z * (0.1 + 0.9 * (f + 1) / 2**F)``, plus an exact zero. Signed 4-bit values (first
   moments) use FP4 E2M1's magnitudes instead (0, 1/12, 1/6, 1/4, 1/3, 1/2, 2/3, 1): with only
   seven magnitudes, the dynamic exponent map's coarse middle costs more than its reach to
   small values gains (least squares: +2.3% against +21% of fp32 AdamW's final loss).
@@ -18,8 +22,8 @@ Second moments (non-negative fields) use the unsigned map and never round a non-
 zero (the *zero-point problem* of Li et al. 2023: a second moment rounded to 0 divides the
 update by ``eps`` alone). Code 0 of every map decodes to exactly 0; padding holds it.
 
-Encoding is exact round-to-nearest (ties to the smaller code) in a handful of element-wise
-ops: the top 16 bits of an element's fp32 pattern index a 65536-entry table giving the
+``"int4"`` encodes by exact round-to-nearest (ties to the smaller code) in a handful of
+element-wise ops: the top 16 bits of an element's fp32 pattern index a 65536-entry table giving the
 nearest code at the low end of that bit cell and the one midpoint inside it, if any (every
 cell of these maps holds at most one: checked when a map is built).
 """
@@ -31,6 +35,8 @@ from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
+
+from functional_optim._lowbit import minifloat
 
 __all__ = ["KINDS", "CodeMap", "Kind", "code_map", "decode_codes", "encode_normalised"]
 
@@ -47,11 +53,11 @@ class CodeMap(NamedTuple):
         kind: ``"int8"``, ``"int4"`` or ``"fp8"``.
         signed: whether negative values are coded.
         bits: bits per code (4 codes are packed two to a byte).
-        table: the value of each code (integer maps: ascending from zero, then the negative
-            values, then zero again; fp8: by bit pattern), on CPU in fp32.
+        table: the value of each code (int4: ascending from zero, then the negative values,
+            then zero again; int8 and fp8: by bit pattern), on CPU in fp32.
         zero: the code of exact zero (0 in every map).
-        base: ``int32[65536]``: the code of a cell's low end (integer maps).
-        split: ``float32[65536]``: the midpoint inside a cell, ``inf`` when none.
+        base: ``int32[65536]``: the code of a cell's low end (int4; empty otherwise).
+        split: ``float32[65536]``: the midpoint inside a cell, ``inf`` when none (int4).
     """
 
     kind: str
@@ -64,12 +70,16 @@ class CodeMap(NamedTuple):
 
     def encode(self, x: Tensor) -> Tensor:
         """Codes (``uint8``, one per element, unpacked) of ``x`` normalised to ``[-1, 1]``."""
+        if self.kind == "int8":
+            return minifloat.encode(x, self.signed)
         return encode_normalised(
             x, _on(self.base, x.device), _on(self.split, x.device), self.kind == "fp8"
         )
 
     def decode(self, codes: Tensor) -> Tensor:
         """The normalised fp32 values of ``codes`` (``uint8``, unpacked)."""
+        if self.kind == "int8":
+            return minifloat.decode(codes, self.signed)
         return decode_codes(codes, _on(self.table, codes.device), self.kind == "fp8")
 
 
@@ -167,14 +177,16 @@ def code_map(kind: str, signed: bool) -> CodeMap:
         signed: code negative values (first moments) or not (second moments: then a non-zero
             value never rounds to zero).
     """
+    empty = torch.empty(0)
+    if kind == "int8":
+        table = minifloat.values(signed)
+        return CodeMap(kind, signed, 8, table, 0, empty.to(torch.int32), empty)
     if kind == "fp8":
         table = torch.arange(256, dtype=torch.int32).to(torch.uint8)
         table = table.view(torch.float8_e4m3fn).to(torch.float32) / _FP8_MAX
         table = torch.nan_to_num(table, nan=0.0)
-        empty = torch.empty(0)
         return CodeMap(kind, True, 8, table, 0, empty.to(torch.int32), empty)
-    bits = {"int8": 8, "int4": 4}[kind]
-    ascending = torch.tensor(_dynamic_values(bits, signed), dtype=torch.float32)
+    ascending = torch.tensor(_dynamic_values(4, signed), dtype=torch.float32)
     zero = int((ascending == 0).nonzero()[0])
     base, split = _cell_tables(ascending, zero, avoid_zero=not signed)
     # Rotate so that code 0 is exact zero (padding is all-zero bytes, and pieces of one
@@ -184,4 +196,4 @@ def code_map(kind: str, signed: bool) -> CodeMap:
     if zero:
         table = torch.cat([ascending.roll(-zero), ascending.new_zeros(1)])
         base = (base - zero) % len(ascending)
-    return CodeMap(kind, signed, bits, table, 0, base.to(torch.int32), split)
+    return CodeMap(kind, signed, 4, table, 0, base.to(torch.int32), split)

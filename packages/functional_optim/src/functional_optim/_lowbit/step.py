@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,7 +10,10 @@ import optree
 import torch
 from torch import Tensor
 
+from functional_optim._kernel_runner import running_with
 from functional_optim._lowbit import blockwise
+from functional_optim._lowbit.adam_maths import EagerAdam
+from functional_optim._lowbit.fused_step import fused_step
 from functional_optim._lowbit.layout import cached_layout
 from functional_optim._lowbit.placements import group_placements
 from functional_optim._lowbit.state_tree import (
@@ -166,23 +170,13 @@ def quantized_step(spec: Any, params: Any, grads: Any, state: Any) -> Any:
     cmaps = [spec.cmap(r) for r in run.moment_refs]
     codecs = [spec.codec(cmap, batch if compiled else 0) for cmap in cmaps]
     device = leaves[0].device if leaves else torch.device("cpu")
-    codes, scales, codes_flat, scales_flat = [], [], [], []
-    for m, cmap, ref in zip(moments, cmaps, run.moment_refs, strict=True):
-        c_leaves, s_leaves = up_to(tree, m[0]), up_to(tree, m[1])
+    checked = []
+    for m, ref in zip(moments, run.moment_refs, strict=True):
         k = run.moment_refs.index(ref)
         c_leaves, s_leaves, run.fp32[k] = spec.check_fit(
-            ref, leaves, quant, layout, c_leaves, s_leaves, run.fp32[k]
+            ref, leaves, quant, layout, up_to(tree, m[0]), up_to(tree, m[1]), run.fp32[k]
         )
-        runs = [blockwise.code_bytes(layout.region[j][1], cmap) for j in range(len(leaves))]
-        total = blockwise.code_bytes(layout.elements, cmap)
-        cf, c_leaves = _flat(c_leaves, quant, runs, total, torch.uint8, device)
-        blocks = [b[1] for b in layout.blocks]
-        total = layout.elements // spec.bs
-        sf, s_leaves = _flat(s_leaves, quant, blocks, total, torch.float32, device)
-        codes.append(c_leaves)
-        scales.append(s_leaves)
-        codes_flat.append(cf)
-        scales_flat.append(sf)
+        checked.append((c_leaves, s_leaves))
     plain = [j for j, q in enumerate(quant) if not q]
     if plain:
         new = run.call(
@@ -195,60 +189,35 @@ def quantized_step(spec: Any, params: Any, grads: Any, state: Any) -> Any:
         for f, got in zip(run.fp32, new, strict=True):
             for j, x in zip(plain, got, strict=True):
                 f[j] = x
-    seen: dict[int, int] = {}
-    for batch in layout.batches:
-        for j, *_ in batch.pieces:
-            seen[j] = seen.get(j, 0) + 1
-    split = {j for j, n in seen.items() if n > 1}
     bs = spec.bs
     stash: list[tuple[int, int, int, Tensor]] = []  # field, slot, flat block, values
     partial = torch.zeros(len(moments) * slots, device=device) if slots else None
-    for batch in layout.batches:
-        js = [j for j, *_ in batch.pieces]
-        pp = [leaves[j].view(-1)[lo:hi] for j, lo, hi, _ in batch.pieces]
-        gg = [
-            None if g_leaves[j] is None else g_leaves[j].reshape(-1)[lo:hi]
-            for j, lo, hi, _ in batch.pieces
-        ]
-        vals = [
-            codec.dequantize(cf, sf, batch.start, batch.stop)
-            for cf, sf, codec in zip(codes_flat, scales_flat, codecs, strict=True)
-        ]
-        piece_moments = []
-        for k, v in enumerate(vals):
-            piece_moments.append(
-                [
-                    None if codes[k][j] is None else v[e : e + hi - lo]
-                    for j, lo, hi, e in batch.pieces
-                ]
+    quantised = [j for j, q in enumerate(quant) if q]
+    codes = [c for c, _ in checked]
+    scales = [s for _, s in checked]
+    codes_flat: list[Tensor] = []
+    scales_flat: list[Tensor] = []
+    fused = False
+    if spec.kind == "int8" and spec.compile is not False:
+        signed = [c.signed for c in cmaps]
+        fused = fused_step(run, quantised, g_leaves, layout, checked, signed, bs)
+    if not fused:
+        for k, cmap in enumerate(cmaps):
+            runs = [blockwise.code_bytes(layout.region[j][1], cmap) for j in range(len(leaves))]
+            total = blockwise.code_bytes(layout.elements, cmap)
+            cf, codes[k] = _flat(codes[k], quant, runs, total, torch.uint8, device)
+            blocks = [b[1] for b in layout.blocks]
+            sf, scales[k] = _flat(
+                scales[k], quant, blocks, layout.elements // bs, torch.float32, device
             )
-        new = run.call(js, pp, gg, piece_moments, split)
-        for k, v in enumerate(vals):
-            for (j, lo, hi, e), given, got in zip(
-                batch.pieces, piece_moments[k], new[k], strict=True
-            ):
-                if got is None:
-                    continue
-                if given is None or got.data_ptr() != given.data_ptr():
-                    v[e : e + hi - lo].copy_(got.reshape(-1))
-                if codes[k][j] is None:  # created by this step: its run of the flat buffers
-                    start, length = layout.region[j]
-                    per = 2 if cmaps[k].bits == 4 else 1
-                    codes[k][j] = codes_flat[k][start // per : (start + length) // per]
-                    b0, nb = layout.blocks[j]
-                    scales[k][j] = scales_flat[k][b0 : b0 + nb]
-            first = batch.start // bs
-            for slot, block in layout.shared:
-                if first <= block < batch.stop // bs:
-                    stash.append(
-                        (k, slot, block, v[(block - first) * bs : (block - first + 1) * bs].clone())
-                    )
-            absmax = codecs[k].quantize(v, codes_flat[k], scales_flat[k], batch.start)
-            for k2, slot, block, _ in stash:
-                if k2 == k and first <= block < batch.stop // bs:
-                    assert partial is not None
-                    at = k * slots + slot
-                    partial[at] = torch.maximum(partial[at], absmax[block - first])
+            codes_flat.append(cf)
+            scales_flat.append(sf)
+        # int8 Adam on CPU: the C++ step's maths on every path (see .adam_maths)
+        same_maths = spec.kind == "int8" and device.type == "cpu"
+        with running_with(EagerAdam()) if same_maths else contextlib.nullcontext():
+            flat = (codes, scales, codes_flat, scales_flat)
+            shared = (stash, partial, slots)
+            _batches(spec, run, layout, leaves, g_leaves, cmaps, codecs, flat, shared)
     if partial is not None:
         full = all_reduce_max(partial)
         for k, slot, block, kept in stash:
@@ -268,3 +237,74 @@ def quantized_step(spec: Any, params: Any, grads: Any, state: Any) -> Any:
         for m, c, s in zip(moments, codes, scales, strict=True)
     ]
     return (new_inner, *new_moments)
+
+
+def _batches(
+    spec: Any,
+    run: _Run,
+    layout: Any,
+    leaves: list[Tensor],
+    g_leaves: list[Any],
+    cmaps: list[Any],
+    codecs: list[Any],
+    flat: tuple[list[list[Any]], list[list[Any]], list[Tensor], list[Tensor]],
+    shared: tuple[list[tuple[int, int, int, Tensor]], Tensor | None, int],
+) -> None:
+    """The batched step: dequantise a batch of blocks, run the inner step on its pieces,
+    requantise (blocks shared with other ranks are kept in ``stash`` and ``partial``)."""
+    codes, scales, codes_flat, scales_flat = flat
+    stash, partial, slots = shared
+    seen: dict[int, int] = {}
+    for batch in layout.batches:
+        for j, *_ in batch.pieces:
+            seen[j] = seen.get(j, 0) + 1
+    split = {j for j, n in seen.items() if n > 1}
+    bs = spec.bs
+    for batch in layout.batches:
+        js = [j for j, *_ in batch.pieces]
+        pp = [leaves[j].view(-1)[lo:hi] for j, lo, hi, _ in batch.pieces]
+        gg = [
+            None if g_leaves[j] is None else g_leaves[j].reshape(-1)[lo:hi]
+            for j, lo, hi, _ in batch.pieces
+        ]
+        vals = [
+            codec.dequantize(cf, sf, batch.start, batch.stop)
+            for cf, sf, codec in zip(codes_flat, scales_flat, codecs, strict=True)
+        ]
+        # moments in their param's dtype, as torch.optim keeps them (fp32 values cast to it)
+        piece_moments = []
+        for k, v in enumerate(vals):
+            piece_moments.append(
+                [
+                    None if codes[k][j] is None else v[e : e + hi - lo].to(p.dtype)
+                    for p, (j, lo, hi, e) in zip(pp, batch.pieces, strict=True)
+                ]
+            )
+        new = run.call(js, pp, gg, piece_moments, split)
+        for k, v in enumerate(vals):
+            for (j, lo, hi, e), given, got in zip(
+                batch.pieces, piece_moments[k], new[k], strict=True
+            ):
+                if got is None:
+                    continue
+                home = v[e : e + hi - lo]
+                if given is None or got.data_ptr() != home.data_ptr():
+                    home.copy_(got.reshape(-1))
+                if codes[k][j] is None:  # created by this step: its run of the flat buffers
+                    start, length = layout.region[j]
+                    per = 2 if cmaps[k].bits == 4 else 1
+                    codes[k][j] = codes_flat[k][start // per : (start + length) // per]
+                    b0, nb = layout.blocks[j]
+                    scales[k][j] = scales_flat[k][b0 : b0 + nb]
+            first = batch.start // bs
+            for slot, block in layout.shared:
+                if first <= block < batch.stop // bs:
+                    stash.append(
+                        (k, slot, block, v[(block - first) * bs : (block - first + 1) * bs].clone())
+                    )
+            absmax = codecs[k].quantize(v, codes_flat[k], scales_flat[k], batch.start)
+            for k2, slot, block, _ in stash:
+                if k2 == k and first <= block < batch.stop // bs:
+                    assert partial is not None
+                    at = k * slots + slot
+                    partial[at] = torch.maximum(partial[at], absmax[block - first])

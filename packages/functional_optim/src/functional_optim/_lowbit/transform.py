@@ -284,13 +284,17 @@ def quantized_state(
     Args:
         tx: an element-wise transform with a fused ``step`` (Adam, AdamW, Lion, SGD with
             momentum, RMSprop, ... : every element's update reads only that element).
-        kind: ``"int8"`` (dynamic exponent map), ``"int4"`` (packed two per byte; second
-            moments never round to zero) or ``"fp8"`` (``float8_e4m3fn``).
+        kind: ``"int8"`` (an 8-bit minifloat: 3 fraction bits, 4 or 5 exponent bits),
+            ``"int4"`` (dynamic exponent map, packed two per byte) or ``"fp8"``
+            (``float8_e4m3fn``); second moments never round a non-zero value to zero.
         block_size: elements per scale, over the whole flattened parameter; a power of two.
         min_size: params with fewer elements (the whole parameter's count) keep fp32 state.
         compile: run the blockwise codec through ``torch.compile`` (same bits, several times
             faster, a few seconds of compilation on the first step); None: for groups of at
-            least 1M quantised elements where inductor can build kernels.
+            least 1M quantised elements where inductor can build kernels. With ``"int8"`` and
+            Adam or AdamW on fp32 CPU params, None also runs the one-pass C++ step (same
+            bits; built on first use, about 30 s, with the ``[cpu-kernels]`` extra's ninja);
+            False runs torch ops only.
 
     Returns:
         A transform whose state is ``(inner state, Quantized_<key>(...), ...)``; in

@@ -1,0 +1,217 @@
+"""One-pass C++ step of Adam / AdamW with ``"int8"`` moments, for fp32 params on CPU.
+
+Block by block, in one pass over each parameter: decode the two moments (:mod:`.minifloat`),
+run Adam's maths (:func:`.adam_maths.adam_lists`' operations, in its order, in fp32 without
+fused multiply-adds), keep the block's new moments in a small buffer while taking their largest
+magnitudes, then encode them. torch has no such kernel, and the element-wise torch ops that do
+the same work make about ten passes over memory.
+
+The extension is built with :func:`torch.utils.cpp_extension.load_inline` the first time it is
+needed (about 30 s; then cached by torch). Without a C++ compiler or ``ninja`` it is not
+built, and the step takes the torch-op path instead: the same bits, several times slower.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["extension", "step"]
+
+_LOG = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float from_bits(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
+inline uint32_t to_bits(float f) { uint32_t b; std::memcpy(&b, &f, 4); return b; }
+
+inline float decode_signed(uint8_t c) {
+  uint32_t magnitude = c & 127u;
+  float v = from_bits(((magnitude + 896u) << 20) | (uint32_t(c >> 7) << 31));
+  return magnitude ? v : 0.0f;
+}
+
+inline float decode_unsigned(uint8_t c) {
+  float v = from_bits((uint32_t(c) + 768u) << 20);
+  return c ? v : 0.0f;
+}
+
+inline uint8_t encode_signed(float y) {
+  uint32_t bits = to_bits(y);
+  uint32_t magnitude = bits & 0x7FFFFFFFu;
+  int32_t r = int32_t((magnitude + 0x7FFFFu + ((magnitude >> 20) & 1u)) >> 20) - 896;
+  int32_t floor = magnitude >= 0x37800000u ? 1 : 0;
+  r = std::min(std::max(r, floor), 120);
+  return uint8_t(uint32_t(r) | ((bits >> 24) & 128u));
+}
+
+inline uint8_t encode_unsigned(float y) {
+  uint32_t bits = to_bits(y);
+  int32_t r = int32_t((bits + 0x7FFFFu + ((bits >> 20) & 1u)) >> 20) - 768;
+  r = std::min(std::max(r, 1), 248);
+  return bits ? uint8_t(r) : uint8_t(0);
+}
+
+template <bool kMaximize, bool kL2>
+void adam_block(float* __restrict p, const float* __restrict g, uint8_t* __restrict mc,
+                float* ms, uint8_t* __restrict vc, float* vs, int64_t n,
+                float* __restrict mbuf, float* __restrict vbuf, float w1, float b2, float w2,
+                float eps, float decay, float l2, float step_size, float bc2_sqrt) {
+  const float dm = *ms, dv = *vs;
+  uint32_t mmax_bits = 0, vmax_bits = 0;  // non-negative floats order as their bit patterns
+  for (int64_t i = 0; i < n; ++i) {
+    float grad = kMaximize ? -g[i] : g[i];
+    const float param = p[i];
+    if (kL2) grad = grad + param * l2;
+    float m = decode_signed(mc[i]) * dm;
+    float v = decode_unsigned(vc[i]) * dv;
+    m = m + (grad - m) * w1;
+    v = v * b2 + (grad * grad) * w2;
+    float denom = std::sqrt(v) / bc2_sqrt + eps;
+    p[i] = param * decay - (m / denom) * step_size;
+    mbuf[i] = m;
+    vbuf[i] = v;
+    mmax_bits = std::max(mmax_bits, to_bits(m) & 0x7FFFFFFFu);
+    vmax_bits = std::max(vmax_bits, to_bits(v));
+  }
+  const float mmax = from_bits(mmax_bits), vmax = from_bits(vmax_bits);
+  *ms = mmax;
+  *vs = vmax;
+  float mi = mmax > 0.0f ? 1.0f / mmax : 0.0f;
+  float vi = vmax > 0.0f ? 1.0f / vmax : 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    mc[i] = encode_signed(mbuf[i] * mi);
+    vc[i] = encode_unsigned(vbuf[i] * vi);
+  }
+}
+
+using BlockFn = decltype(&adam_block<false, false>);
+
+BlockFn pick(bool maximize, bool l2) {
+  if (maximize) return l2 ? &adam_block<true, true> : &adam_block<true, false>;
+  return l2 ? &adam_block<false, true> : &adam_block<false, false>;
+}
+
+}  // namespace
+
+bool adam_int8_fits(const std::vector<at::Tensor>& params,
+                    const std::vector<at::Tensor>& grads,
+                    const std::vector<at::Tensor>& m_codes,
+                    const std::vector<at::Tensor>& m_scales,
+                    const std::vector<at::Tensor>& v_codes,
+                    const std::vector<at::Tensor>& v_scales,
+                    const std::vector<at::Tensor>& steps, int64_t block_size) {
+  const size_t count = params.size();
+  if (grads.size() != count || m_codes.size() != count || m_scales.size() != count ||
+      v_codes.size() != count || v_scales.size() != count || steps.size() != count) {
+    return false;
+  }
+  auto plain = [](const at::Tensor& t, at::ScalarType dtype) {
+    return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided &&
+           t.scalar_type() == dtype && t.is_contiguous() && !t.is_neg() && !t.is_conj();
+  };
+  for (size_t j = 0; j < count; ++j) {
+    const int64_t n = params[j].numel();
+    const int64_t blocks = (n + block_size - 1) / block_size;
+    if (!plain(params[j], at::kFloat) || !plain(grads[j], at::kFloat) ||
+        grads[j].numel() != n || !plain(m_codes[j], at::kByte) ||
+        !plain(v_codes[j], at::kByte) || m_codes[j].numel() != blocks * block_size ||
+        v_codes[j].numel() != blocks * block_size || !plain(m_scales[j], at::kFloat) ||
+        !plain(v_scales[j], at::kFloat) || m_scales[j].numel() != blocks ||
+        v_scales[j].numel() != blocks || steps[j].numel() != 1 ||
+        !steps[j].device().is_cpu()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void adam_int8_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
+                    std::vector<at::Tensor> m_codes, std::vector<at::Tensor> m_scales,
+                    std::vector<at::Tensor> v_codes, std::vector<at::Tensor> v_scales,
+                    std::vector<at::Tensor> steps, double lr, double beta1, double beta2,
+                    double eps, double weight_decay, bool decoupled, bool maximize,
+                    int64_t block_size) {
+  const float w1 = float(1.0 - beta1), b2 = float(beta2), w2 = float(1.0 - beta2);
+  const float feps = float(eps);
+  const float decay = decoupled ? float(1.0 - lr * weight_decay) : 1.0f;
+  const float l2 = decoupled ? 0.0f : float(weight_decay);
+  const BlockFn block = pick(maximize, l2 != 0.0f);
+  for (size_t j = 0; j < params.size(); ++j) {
+    const double t = steps[j].item<double>() + 1.0;
+    const float step_size = float(lr / (1.0 - std::pow(beta1, t)));
+    const float bc2_sqrt = float(std::sqrt(1.0 - std::pow(beta2, t)));
+    float* p = params[j].data_ptr<float>();
+    const float* g = grads[j].data_ptr<float>();
+    uint8_t* mc = m_codes[j].data_ptr<uint8_t>();
+    uint8_t* vc = v_codes[j].data_ptr<uint8_t>();
+    float* ms = m_scales[j].data_ptr<float>();
+    float* vs = v_scales[j].data_ptr<float>();
+    const int64_t n = params[j].numel();
+    const int64_t blocks = (n + block_size - 1) / block_size;
+    at::parallel_for(0, blocks, std::max<int64_t>(1, 32768 / block_size),
+                     [&](int64_t first, int64_t last) {
+      std::vector<float> mbuf(block_size), vbuf(block_size);
+      for (int64_t b = first; b < last; ++b) {
+        const int64_t lo = b * block_size;
+        const int64_t len = std::min(block_size, n - lo);
+        block(p + lo, g + lo, mc + lo, ms + b, vc + lo, vs + b, len, mbuf.data(), vbuf.data(),
+              w1, b2, w2, feps, decay, l2, step_size, bc2_sqrt);
+      }
+    });
+    steps[j].fill_(t);
+  }
+}
+"""
+
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno"]
+
+
+@functools.cache
+def extension() -> Any | None:
+    """The built extension module, or None where it cannot be built (logged once)."""
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        return load_inline(  # type: ignore[no-untyped-call]
+            "functional_optim_lowbit_int8",
+            cpp_sources=[_SOURCE],
+            functions=["adam_int8_fits", "adam_int8_step"],
+            extra_cflags=_FLAGS,
+            verbose=False,
+        )
+    except Exception as error:  # no compiler, no ninja, a read-only cache: the torch ops
+        _LOG.warning("the one-pass int8 Adam step is not available (%s); using torch ops", error)
+        return None
+
+
+def step(
+    module: Any,
+    args: Sequence[Any],
+    moments: Sequence[Sequence[Tensor]],
+    decoupled: bool,
+    block_size: int,
+) -> bool:
+    """Run the C++ step for an Adam kernel's ``args`` with ``moments`` (``[m_codes, m_scales,
+    v_codes, v_scales]`` lists): checks every tensor first and returns False, with nothing
+    changed, where one does not fit (not a contiguous fp32 CPU tensor, or the wrong size)."""
+    params, grads, _, _, _, steps, _, b1, b2, lr, wd, eps, maximize = args[:13]
+    lists = [list(params), list(grads), *map(list, moments), list(steps)]
+    if not module.adam_int8_fits(*lists, block_size):
+        return False
+    hyper = (float(lr), float(b1), float(b2), float(eps), float(wd), decoupled, bool(maximize))
+    module.adam_int8_step(*lists, *hyper, block_size)
+    return True
