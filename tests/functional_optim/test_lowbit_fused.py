@@ -160,3 +160,26 @@ def test_bfloat16_params_keep_moments_in_their_dtype_like_torch(alias: str, atol
         assert not torch.equal(a.detach(), p0)
         # within two bf16 steps (2**-7 relative): the moments' codes move bf16's rounding
         torch.testing.assert_close(a.detach().float(), b.detach().float(), rtol=2**-6, atol=atol)
+
+
+# dynamo's advice on the code maps' and layouts' caches (it traces through them: they are pure)
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+def test_compiled_step_skips_the_cpp_step_and_stays_within_1e6() -> None:
+    """Under torch.compile the kernel seam is bypassed: the step takes the batched path (torch's
+    kernel maths, traced) instead of writing into the stand-in moments."""
+    gen = torch.Generator().manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(64, 128, generator=gen)) for _ in range(2)]
+    eager = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opts = [
+        fo.Optimizer(ps, fo.adamw8bit(lr=1e-2, min_size=1000, block_size=64))
+        for ps in (ours, eager)
+    ]
+    for p, q in zip(ours, eager, strict=True):
+        p.grad = torch.randn(p.shape, generator=gen)
+        q.grad = p.grad.clone()
+    compiled = torch.compile(opts[0].step, backend="aot_eager")
+    for _ in range(3):
+        compiled()
+        opts[1].step()
+    for p, q in zip(ours, eager, strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-6)
