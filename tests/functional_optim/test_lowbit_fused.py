@@ -1,4 +1,5 @@
-"""The ``"int8"`` minifloat codes and the one-pass C++ step of 8-bit Adam / AdamW on CPU.
+"""The ``"int8"`` minifloat codes and the one-pass C++ step of 8-bit and fp8 Adam / AdamW on
+CPU.
 
 The C++ step (``compile=None``, the default) must give bitwise what the torch-op path gives
 (``compile=False``: the batched path with the same maths), and fall back to that path, with
@@ -63,9 +64,11 @@ def _same(a: tuple[list[torch.Tensor], dict[str, Any]], b: Any) -> bool:
     )
 
 
-def _lowbit(inner: Callable[[], fo.GradientTransformation]) -> Callable[..., Any]:
+def _lowbit(
+    inner: Callable[[], fo.GradientTransformation], kind: str = "int8"
+) -> Callable[..., Any]:
     def make(compile: bool | None) -> fo.GradientTransformation:
-        return fo.quantized_state(inner(), "int8", block_size=64, min_size=200, compile=compile)
+        return fo.quantized_state(inner(), kind, block_size=64, min_size=200, compile=compile)
 
     return make
 
@@ -74,6 +77,10 @@ CASES = {
     "adamw": _lowbit(lambda: fo.adamw(lr=1e-2, weight_decay=0.1)),
     "adamw_default_decay": _lowbit(lambda: fo.adamw(lr=1e-2)),
     "adam_l2_maximize": _lowbit(lambda: fo.adam(lr=1e-2, weight_decay=0.05, maximize=True)),
+    "fp8_adamw": _lowbit(lambda: fo.adamw(lr=1e-2, weight_decay=0.1), "fp8"),
+    "fp8_adam_l2_maximize": _lowbit(
+        lambda: fo.adam(lr=1e-2, weight_decay=0.05, maximize=True), "fp8"
+    ),
 }
 
 
@@ -85,6 +92,10 @@ PAIRS = {
 PAIRS["alias"] = (
     lambda: fo.adamw8bit(lr=1e-2, block_size=64, min_size=200),
     functools.partial(CASES["adamw_default_decay"], False),
+)
+PAIRS["fp8_alias"] = (
+    lambda: fo.adamw_fp8(lr=1e-2, block_size=64, min_size=200),
+    functools.partial(_lowbit(lambda: fo.adamw(lr=1e-2), "fp8"), False),
 )
 
 

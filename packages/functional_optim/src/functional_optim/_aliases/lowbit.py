@@ -143,7 +143,8 @@ def adamw_fp8(
     block_size: int = 256,
     min_size: int = 4096,
 ) -> GradientTransformation:
-    """AdamW with ``float8_e4m3fn`` moments and blockwise scales.
+    """AdamW with ``float8_e4m3fn`` moments and blockwise scales (on fp32 CPU params, one C++
+    pass per step, as :func:`adamw8bit`).
 
     Args: as :func:`adamw8bit`.
     """

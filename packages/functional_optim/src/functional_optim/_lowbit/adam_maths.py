@@ -1,6 +1,6 @@
-"""Adam's maths for ``"int8"`` moments: one definition for every path.
+"""Adam's maths for ``"int8"`` and ``"fp8"`` moments on CPU: one definition for every path.
 
-With ``"int8"`` moments the Adam and AdamW kernels (:func:`functional_optim.kernels.adam`,
+With these moments the Adam and AdamW kernels (:func:`functional_optim.kernels.adam`,
 :func:`~functional_optim.kernels.adamw`) are replaced, through the kernel seam
 (:mod:`functional_optim._kernel_runner`), by these operations, in this order, in fp32:
 

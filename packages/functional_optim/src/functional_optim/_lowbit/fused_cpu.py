@@ -1,6 +1,8 @@
-"""One-pass C++ step of Adam / AdamW with ``"int8"`` moments, for fp32 params on CPU.
+"""One-pass C++ step of Adam / AdamW with ``"int8"`` or ``"fp8"`` moments, for fp32 params on
+CPU.
 
-Block by block, in one pass over each parameter: decode the two moments (:mod:`.minifloat`),
+Block by block, in one pass over each parameter: decode the two moments (:mod:`.minifloat`, or
+``float8_e4m3fn`` by bit operations that round as torch's cast does),
 run Adam's maths (:func:`.adam_maths.adam_lists`' operations, in its order, in fp32 without
 fused multiply-adds), keep the block's new moments in a small buffer while taking their largest
 magnitudes, then encode them. torch has no such kernel, and the element-wise torch ops that do
@@ -65,7 +67,46 @@ inline uint8_t encode_unsigned(float y) {
   return bits ? uint8_t(r) : uint8_t(0);
 }
 
-template <bool kMaximize, bool kL2>
+// float8_e4m3fn, as torch casts (round to nearest even, subnormals below 2**-6)
+inline float decode_fp8(uint8_t c) {
+  uint32_t magnitude = c & 127u, sign = uint32_t(c >> 7) << 31;
+  uint32_t normal = ((magnitude + 960u) << 20) | sign;
+  uint32_t subnormal = to_bits(float(int32_t(magnitude & 7u)) * 0.001953125f) | sign;  // 2**-9
+  return from_bits((magnitude & 0x78u) ? normal : subnormal);
+}
+
+inline uint8_t encode_fp8(float y) {
+  uint32_t bits = to_bits(y);
+  uint32_t magnitude = bits & 0x7FFFFFFFu;
+  int32_t normal = int32_t((magnitude + 0x7FFFFu + ((magnitude >> 20) & 1u)) >> 20) - 960;
+  // 2**-9 steps below 2**-6, rounded to nearest even by the fp32 addition of 1.5 * 2**23
+  float scaled = std::fabs(y) * 512.0f + 12582912.0f;
+  int32_t subnormal = int32_t(to_bits(scaled) & 0xFFu);
+  int32_t r = magnitude < 0x3C800000u ? subnormal : normal;
+  return uint8_t(uint32_t(r) | ((bits >> 24) & 128u));
+}
+
+constexpr float kFp8Max = 448.0f;
+
+// The two formats: decode(code, block scale), and encode(value, block maximum) through a
+// per-block factor, each as the torch-op path computes it (_lowbit/blockwise.py).
+struct Int8Format {
+  static float decode_m(uint8_t c, float scale) { return decode_signed(c) * scale; }
+  static float decode_v(uint8_t c, float scale) { return decode_unsigned(c) * scale; }
+  static float factor(float max) { return max > 0.0f ? 1.0f / max : 0.0f; }
+  static uint8_t encode_m(float x, float f) { return encode_signed(x * f); }
+  static uint8_t encode_v(float x, float f) { return encode_unsigned(x * f); }
+};
+
+struct Fp8Format {
+  static float decode_m(uint8_t c, float scale) { return (decode_fp8(c) / kFp8Max) * scale; }
+  static float decode_v(uint8_t c, float scale) { return decode_m(c, scale); }
+  static float factor(float max) { return max > 0.0f ? max : 1.0f; }  // the divisor
+  static uint8_t encode_m(float x, float f) { return encode_fp8((x / f) * kFp8Max); }
+  static uint8_t encode_v(float x, float f) { return encode_m(x, f); }
+};
+
+template <typename Format, bool kMaximize, bool kL2>
 void adam_block(float* __restrict p, const float* __restrict g, uint8_t* __restrict mc,
                 float* ms, uint8_t* __restrict vc, float* vs, int64_t n,
                 float* __restrict mbuf, float* __restrict vbuf, float w1, float b2, float w2,
@@ -76,8 +117,8 @@ void adam_block(float* __restrict p, const float* __restrict g, uint8_t* __restr
     float grad = kMaximize ? -g[i] : g[i];
     const float param = p[i];
     if (kL2) grad = grad + param * l2;
-    float m = decode_signed(mc[i]) * dm;
-    float v = decode_unsigned(vc[i]) * dv;
+    float m = Format::decode_m(mc[i], dm);
+    float v = Format::decode_v(vc[i], dv);
     m = m + (grad - m) * w1;
     v = v * b2 + (grad * grad) * w2;
     float denom = std::sqrt(v) / bc2_sqrt + eps;
@@ -90,19 +131,19 @@ void adam_block(float* __restrict p, const float* __restrict g, uint8_t* __restr
   const float mmax = from_bits(mmax_bits), vmax = from_bits(vmax_bits);
   *ms = mmax;
   *vs = vmax;
-  float mi = mmax > 0.0f ? 1.0f / mmax : 0.0f;
-  float vi = vmax > 0.0f ? 1.0f / vmax : 0.0f;
+  const float mf = Format::factor(mmax), vf = Format::factor(vmax);
   for (int64_t i = 0; i < n; ++i) {
-    mc[i] = encode_signed(mbuf[i] * mi);
-    vc[i] = encode_unsigned(vbuf[i] * vi);
+    mc[i] = Format::encode_m(mbuf[i], mf);
+    vc[i] = Format::encode_v(vbuf[i], vf);
   }
 }
 
-using BlockFn = decltype(&adam_block<false, false>);
+using BlockFn = decltype(&adam_block<Int8Format, false, false>);
 
+template <typename Format>
 BlockFn pick(bool maximize, bool l2) {
-  if (maximize) return l2 ? &adam_block<true, true> : &adam_block<true, false>;
-  return l2 ? &adam_block<false, true> : &adam_block<false, false>;
+  if (maximize) return l2 ? &adam_block<Format, true, true> : &adam_block<Format, true, false>;
+  return l2 ? &adam_block<Format, false, true> : &adam_block<Format, false, false>;
 }
 
 }  // namespace
@@ -144,12 +185,13 @@ void adam_int8_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grad
                     std::vector<at::Tensor> v_codes, std::vector<at::Tensor> v_scales,
                     std::vector<at::Tensor> steps, double lr, double beta1, double beta2,
                     double eps, double weight_decay, bool decoupled, bool maximize,
-                    int64_t block_size) {
+                    int64_t block_size, bool fp8) {
   const float w1 = float(1.0 - beta1), b2 = float(beta2), w2 = float(1.0 - beta2);
   const float feps = float(eps);
   const float decay = decoupled ? float(1.0 - lr * weight_decay) : 1.0f;
   const float l2 = decoupled ? 0.0f : float(weight_decay);
-  const BlockFn block = pick(maximize, l2 != 0.0f);
+  const BlockFn block =
+      fp8 ? pick<Fp8Format>(maximize, l2 != 0.0f) : pick<Int8Format>(maximize, l2 != 0.0f);
   for (size_t j = 0; j < params.size(); ++j) {
     const double t = steps[j].item<double>() + 1.0;
     const float step_size = float(lr / (1.0 - std::pow(beta1, t)));
@@ -177,7 +219,7 @@ void adam_int8_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grad
 }
 """
 
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno"]
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
 
 
 @functools.cache
@@ -204,6 +246,7 @@ def step(
     moments: Sequence[Sequence[Tensor]],
     decoupled: bool,
     block_size: int,
+    kind: str,
 ) -> bool:
     """Run the C++ step for an Adam kernel's ``args`` with ``moments`` (``[m_codes, m_scales,
     v_codes, v_scales]`` lists): checks every tensor first and returns False, with nothing
@@ -213,5 +256,5 @@ def step(
     if not module.adam_int8_fits(*lists, block_size):
         return False
     hyper = (float(lr), float(b1), float(b2), float(eps), float(wd), decoupled, bool(maximize))
-    module.adam_int8_step(*lists, *hyper, block_size)
+    module.adam_int8_step(*lists, *hyper, block_size, kind == "fp8")
     return True

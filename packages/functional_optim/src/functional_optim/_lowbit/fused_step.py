@@ -1,4 +1,4 @@
-"""The one-pass step of ``"int8"`` Adam / AdamW moments on CPU (:mod:`.fused_cpu`).
+"""The one-pass step of ``"int8"`` and ``"fp8"`` Adam / AdamW moments on CPU (:mod:`.fused_cpu`).
 
 The inner transform's own ``step`` runs once over every quantised param, with param-shaped
 stand-ins for its moments; its kernel call (:mod:`functional_optim._kernel_runner`) reaches
@@ -35,13 +35,16 @@ class _NotFusedError(Exception):
 class _Fused:
     """A kernel runner: the Adam kernel's call runs the C++ step on the codes and scales."""
 
-    def __init__(self, module: Any, moments: list[list[Tensor]], block_size: int) -> None:
-        self.module, self.moments, self.bs = module, moments, block_size
+    def __init__(
+        self, module: Any, moments: list[list[Tensor]], block_size: int, kind: str
+    ) -> None:
+        self.module, self.moments, self.bs, self.kind = module, moments, block_size, kind
 
     def __call__(self, kernel: Callable[..., None], args: list[Any], roles: Sequence[Role]) -> None:
         if not replaced_kernel(kernel, args):
             raise _NotFusedError
-        if not fused_cpu.step(self.module, args, self.moments, decoupled(kernel), self.bs):
+        ok = fused_cpu.step(self.module, args, self.moments, decoupled(kernel), self.bs, self.kind)
+        if not ok:
             raise _NotFusedError
 
 
@@ -51,8 +54,9 @@ def fused_step(
     grads: Sequence[Any],
     layout: GroupLayout,
     moments: Sequence[tuple[Sequence[Any], Sequence[Any]]],
-    signed: Sequence[bool],
+    second: Sequence[bool],
     block_size: int,
+    kind: str,
 ) -> bool:
     """Step the quantised params ``js`` in one pass; False (nothing changed) where
     :mod:`this module <.fused_step>` does not apply.
@@ -64,15 +68,16 @@ def fused_step(
         layout: the group's layout.
         moments: ``(codes, scales)`` leaves of each moment (one per param, checked against
             the layout), in ``run.moment_refs`` order.
-        signed: whether each moment is signed.
+        second: whether each moment is a second moment (non-negative).
         block_size: elements per block.
+        kind: ``"int8"`` or ``"fp8"``.
     """
     params = [run.params[j] for j in js]
     if (
         not js
         or torch.compiler.is_compiling()  # the kernel seam is bypassed there
         or layout.shared
-        or sorted(signed) != [False, True]
+        or sorted(second) != [False, True]
         or any(layout.pad_front[j] for j in js)
         or not all(type(p) in _PLAIN for p in params)
         or not all(type(grads[j]) in _PLAIN for j in js)
@@ -88,11 +93,11 @@ def fused_step(
     module = fused_cpu.extension()
     if module is None:
         return False
-    m, v = (0, 1) if signed[0] else (1, 0)
+    m, v = (1, 0) if second[0] else (0, 1)
     order = [lists[m][0], lists[m][1], lists[v][0], lists[v][1]]
     stand_ins = [_stand_in(p) for p in params]
     try:
-        with running_with(_Fused(module, order, block_size)):
+        with running_with(_Fused(module, order, block_size, kind)):
             run.call(js, params, [grads[j] for j in js], [stand_ins] * len(moments), set())
     except _NotFusedError:
         return False

@@ -17,6 +17,7 @@ from functional_optim._lowbit.fused_step import fused_step
 from functional_optim._lowbit.layout import cached_layout
 from functional_optim._lowbit.placements import group_placements
 from functional_optim._lowbit.state_tree import (
+    NON_NEGATIVE,
     FieldRef,
     get_field,
     per_param_fields,
@@ -25,7 +26,10 @@ from functional_optim._lowbit.state_tree import (
 )
 from functional_optim._tree import NAMESPACE, NONE_IS_LEAF, TreeSpec, tree_flatten, tree_unflatten
 
-__all__ = ["check_grads", "moment_refs", "quantized_step"]
+__all__ = ["ONE_PASS_KINDS", "check_grads", "moment_refs", "quantized_step"]
+
+#: the kinds whose Adam / AdamW step on CPU is one C++ pass (:mod:`.fused_step`)
+ONE_PASS_KINDS = ("int8", "fp8")
 
 #: the compiled codec takes batches this many times larger (fewer calls: each costs ~0.2 ms)
 COMPILED_BATCH_FACTOR = 4
@@ -198,9 +202,9 @@ def quantized_step(spec: Any, params: Any, grads: Any, state: Any) -> Any:
     codes_flat: list[Tensor] = []
     scales_flat: list[Tensor] = []
     fused = False
-    if spec.kind == "int8" and spec.compile is not False:
-        signed = [c.signed for c in cmaps]
-        fused = fused_step(run, quantised, g_leaves, layout, checked, signed, bs)
+    if spec.kind in ONE_PASS_KINDS and spec.compile is not False:
+        second = [r.key in NON_NEGATIVE for r in run.moment_refs]
+        fused = fused_step(run, quantised, g_leaves, layout, checked, second, bs, spec.kind)
     if not fused:
         for k, cmap in enumerate(cmaps):
             runs = [blockwise.code_bytes(layout.region[j][1], cmap) for j in range(len(leaves))]
@@ -212,8 +216,8 @@ def quantized_step(spec: Any, params: Any, grads: Any, state: Any) -> Any:
             )
             codes_flat.append(cf)
             scales_flat.append(sf)
-        # int8 Adam on CPU: the C++ step's maths on every path (see .adam_maths)
-        same_maths = spec.kind == "int8" and device.type == "cpu"
+        # int8 / fp8 Adam on CPU: the C++ step's maths on every path (see .adam_maths)
+        same_maths = spec.kind in ONE_PASS_KINDS and device.type == "cpu"
         with running_with(EagerAdam()) if same_maths else contextlib.nullcontext():
             flat = (codes, scales, codes_flat, scales_flat)
             shared = (stash, partial, slots)
