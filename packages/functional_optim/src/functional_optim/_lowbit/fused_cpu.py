@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import platform
 from collections.abc import Sequence
 from typing import Any
 
@@ -219,24 +220,33 @@ void adam_int8_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grad
 }
 """
 
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
+_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
+#: instruction sets by torch's CPU capability: not -march=native, so that a build cached in a
+#: home directory shared by several machines runs on each machine of that capability
+_ISA = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
 
 
 @functools.cache
 def extension() -> Any | None:
     """The built extension module, or None where it cannot be built (logged once)."""
     try:
+        import torch
         from torch.utils.cpp_extension import load_inline
 
+        capability = torch.backends.cpu.get_cpu_capability()
+        isa = _ISA.get(capability, []) if platform.machine() in ("x86_64", "AMD64") else []
         return load_inline(  # type: ignore[no-untyped-call]
-            "functional_optim_lowbit_int8",
+            f"functional_optim_lowbit_{capability.lower()}",
             cpp_sources=[_SOURCE],
             functions=["adam_int8_fits", "adam_int8_step"],
-            extra_cflags=_FLAGS,
+            extra_cflags=_FLAGS + isa,
             verbose=False,
         )
     except Exception as error:  # no compiler, no ninja, a read-only cache: the torch ops
-        _LOG.warning("the one-pass int8 Adam step is not available (%s); using torch ops", error)
+        _LOG.warning("the one-pass low-bit Adam step is not available (%s); using torch ops", error)
         return None
 
 
