@@ -12,7 +12,6 @@ import torch
 
 import compat_api
 import functional_optim as fo
-from functional_optim._aliases._kernel_step import SPECS, fused
 from functional_optim._registry import (
     BUILTIN_ALGORITHMS,
     BY_NAME,
@@ -103,28 +102,29 @@ def test_torch_state_names_come_from_the_registry() -> None:
 def test_kernel_arguments_are_declared_and_drive_the_step(algorithm: fo.Algorithm) -> None:
     spec = algorithm.kernel_spec
     assert spec is not None
-    assert SPECS[algorithm.name] == spec
+    assert algorithm.kernel_spec is spec  # built once: each alias build reads it
     assert len(algorithm.kernel_args) == len(inspect.signature(algorithm.kernel).parameters)
 
 
 def test_no_alias_module_restates_a_kernel_call() -> None:
     # The fused steps come from the entries' kernel_args: an alias module that calls a kernel
-    # itself is a second place to edit (optax's aliases have no kernel and are exempt).
+    # itself is a second place to edit. Its entry names the kernel (``kernel=kernels.adam``);
+    # nothing else there may use it.
     aliases = pathlib.Path(fo.__file__).parent / "_aliases"
     for path in sorted(aliases.glob("*.py")):
         if path.name == "_kernel_step.py":  # the one generic adapter
             continue
         source = path.read_text()
-        imports_kernels = re.search(
-            r"^from functional_optim(\.kernels\b| import kernels)", source, re.M
-        )
-        assert not imports_kernels, f"{path.name} calls a kernel itself: declare kernel_args"
+        calls = re.findall(r"\bkernels\.\w+\(", source)
+        calls += re.findall(r"^from functional_optim\.kernels\b.*", source, re.M)
+        assert not calls, f"{path.name} calls a kernel itself ({calls}): declare kernel_args"
         assert not re.search(r"^def _\w+_step\(", source, re.M), path.name
 
 
 def test_fused_step_names_what_is_missing() -> None:
     tx = fo.adam()
+    by_name = {a.name: a for a in fo.ALGORITHMS}
     with pytest.raises(TypeError, match=r"takes the hyperparameters \['amsgrad', 'b1'"):
-        fused(tx, "adam", lr=0.1)
-    with pytest.raises(KeyError, match="no registered algorithm 'adamx'"):
-        fused(tx, "adamx", lr=0.1)
+        by_name["adam"].fused(tx, lr=0.1)
+    with pytest.raises(ValueError, match="the 'lbfgs' entry declares no kernel"):
+        by_name["lbfgs"].fused(tx, lr=0.1)

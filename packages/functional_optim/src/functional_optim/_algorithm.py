@@ -8,13 +8,14 @@ hyperparameters instead of naming a hand-written alias, the alias itself.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from functional_optim._aliases._kernel_spec import InputCheck, KernelArg, KernelSpec
-from functional_optim._aliases._kernel_step import with_kernel
+from functional_optim._aliases._kernel_step import AUTO, KernelPath, with_kernel
 from functional_optim._base import GradientTransformation
 from functional_optim._step_checks import GradRules, SparsePolicy
 from functional_optim._transforms.hyperparams import inject_hyperparams
@@ -132,9 +133,9 @@ class Algorithm:
             self.torch_name, sparse, self.sparse_message, self.promotes, self.one_dtype_when
         )
 
-    @property
+    @functools.cached_property
     def kernel_spec(self) -> KernelSpec | None:
-        """The kernel and its argument order; None without a kernel."""
+        """The kernel and its argument order; None without a kernel (built once per entry)."""
         if self.kernel is None:
             return None
         return KernelSpec(
@@ -145,6 +146,26 @@ class Algorithm:
             self.grad_rules,
             self.state_names,
         )
+
+    def fused(
+        self, tx: GradientTransformation, *, path: KernelPath = AUTO, **values: Any
+    ) -> GradientTransformation:
+        """``tx`` with the fused ``step`` of this entry's kernel: what a hand-written alias's
+        builder returns.
+
+        Args:
+            tx: the alias's chain.
+            path: the kernel path torch's flags chose
+                (:func:`functional_optim._aliases._common.kernel_path`).
+            values: the hyperparameters its kernel arguments name.
+
+        Raises:
+            ValueError: if the entry declares no kernel.
+        """
+        spec = self.kernel_spec
+        if spec is None:
+            raise ValueError(f"the {self.name!r} entry declares no kernel")
+        return with_kernel(tx, spec, values, path)
 
 
 def _signature(hyperparams: tuple[Hyperparam, ...]) -> inspect.Signature:

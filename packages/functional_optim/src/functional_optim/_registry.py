@@ -7,7 +7,8 @@ per-param state keys), the alias (hand-written, or generated from its declared h
 ``FunctionalX`` class. From :data:`ALGORITHMS`:
 
 * every alias's fused ``step`` runs the declared kernel arguments
-  (:mod:`functional_optim._aliases._kernel_step`; the aliases name their entry in ``fused``);
+  (:mod:`functional_optim._aliases._kernel_step`; a hand-written alias's builder returns
+  ``ENTRY.fused(chain, ...)``, its entry declared beside it);
 * ``functional_optim._torch_state`` takes torch's state names (``state_names``);
 * ``compat_api.utils.functional_optim_map`` maps ``torch.optim.<torch_name>`` to ``functional``
   (``on_algorithm_registered``);
@@ -15,8 +16,8 @@ per-param state keys), the alias (hand-written, or generated from its declared h
   and draw every hyperparameter of ``alias`` with Hypothesis.
 
 Adding an algorithm: write the kernel (``kernels/x.py``) and, if none fits, the transform
-(``_transforms``); write one entry in its family's module
-(:mod:`functional_optim._builtin_algorithms`) and list it in :data:`BUILTIN_ALGORITHMS`; then
+(``_transforms``); write one entry beside its alias (``_aliases/<family>.py``) and list it in
+:data:`BUILTIN_ALGORITHMS`; then
 import its parts in the package ``__init__`` (and the kernel in ``kernels/__init__``, the
 ``FunctionalX`` class in ``functional/__init__``): the exports are static, and
 tests/functional_optim/test_registry.py fails for a part that is not exported.
@@ -29,24 +30,16 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import overload
 
 from functional_optim._algorithm import Algorithm, Hyperparam
-from functional_optim._aliases._kernel_step import SPECS
-from functional_optim._builtin_algorithms.adam import (
-    ADAM,
-    ADAMAX,
-    ADAMW,
-    NADAM,
-    RADAM,
-    SPARSE_ADAM,
-)
-from functional_optim._builtin_algorithms.adaptive import (
-    ADADELTA,
-    ADAFACTOR,
-    ADAGRAD,
-    RMSPROP,
-    RPROP,
-)
-from functional_optim._builtin_algorithms.lbfgs import LBFGS
-from functional_optim._builtin_algorithms.sgd import ASGD, MUON, SGD
+from functional_optim._aliases.adafactor import ADAFACTOR
+from functional_optim._aliases.adam import ADAM, ADAMW
+from functional_optim._aliases.adam_variants import NADAM, RADAM
+from functional_optim._aliases.adaptive import ADADELTA, ADAGRAD, ADAMAX
+from functional_optim._aliases.asgd import ASGD
+from functional_optim._aliases.lbfgs import LBFGS
+from functional_optim._aliases.muon import MUON
+from functional_optim._aliases.rms import RMSPROP, RPROP
+from functional_optim._aliases.sgd import SGD
+from functional_optim._aliases.sparse_adam import SPARSE_ADAM
 
 __all__ = [
     "ALGORITHMS",
@@ -165,9 +158,6 @@ def torch_state_names() -> dict[type, dict[str, str]]:
 #: The merged state names of the registered entries, kept current by :func:`add` and
 #: :func:`remove`; ``_torch_state`` reads it.
 TORCH_STATE_NAMES: dict[type, dict[str, str]] = torch_state_names()
-for _algorithm in ALGORITHMS:
-    if _algorithm.kernel_spec is not None:
-        SPECS[_algorithm.name] = _algorithm.kernel_spec
 
 
 def _refresh_state_names() -> None:
@@ -180,9 +170,6 @@ def add(algorithm: Algorithm) -> None:
     ``_registration.register_algorithm``, which checks first)."""
     ALGORITHMS._entries.append(algorithm)
     BY_NAME[algorithm.name] = algorithm
-    spec = algorithm.kernel_spec
-    if spec is not None:
-        SPECS[algorithm.name] = spec
     _refresh_state_names()
 
 
@@ -190,5 +177,4 @@ def remove(algorithm: Algorithm) -> None:
     """Undo :func:`add`."""
     ALGORITHMS._entries.remove(algorithm)
     BY_NAME.pop(algorithm.name, None)
-    SPECS.pop(algorithm.name, None)
     _refresh_state_names()

@@ -53,9 +53,7 @@ __all__ = [
     "PARAMS",
     "KernelArg",
     "KernelSpec",
-    "SPECS",
     "StateArg",
-    "fused",
     "kernel_step",
     "kernel_update",
     "state",
@@ -320,28 +318,3 @@ def with_kernel(
     return tx._replace(
         step=kernel_step(spec, values, path), update=kernel_update(spec, values, tx.update)
     )
-
-
-#: Alias name -> its kernel declaration; filled by the algorithm registry
-#: (``functional_optim._registry``), read when an alias is built.
-SPECS: dict[str, KernelSpec] = {}
-
-
-def fused(
-    tx: GradientTransformation, name: str, *, path: KernelPath = AUTO, **values: Any
-) -> GradientTransformation:
-    """``tx`` with the fused ``step`` of the registered algorithm ``name``.
-
-    Args:
-        tx: the alias's chain.
-        name: the registry entry whose kernel declaration the step runs.
-        path: the kernel path torch's flags chose
-            (:func:`functional_optim._aliases._common.kernel_path`); ``"auto"`` by default.
-        values: the hyperparameters its kernel arguments name.
-
-    Raises:
-        KeyError: if no registered algorithm of that name declares a kernel.
-    """
-    if name not in SPECS:
-        raise KeyError(f"no registered algorithm {name!r} declares a kernel")
-    return with_kernel(tx, SPECS[name], values, path)

@@ -4,19 +4,30 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from functional_optim._aliases import _kernel_step
+from functional_optim import kernels
+from functional_optim._algorithm import Algorithm
 from functional_optim._aliases._common import kernel_path, maximize_tx
+from functional_optim._aliases._kernel_spec import GRADS, IMPL, LR, PARAMS, state
+from functional_optim._aliases._kernel_step import with_kernel
 from functional_optim._base import GradientTransformation, chain
 from functional_optim._recipes import transform_factory
 from functional_optim._sharded_adafactor import shards_adafactor
 from functional_optim._transforms._leaf import is_traced
 from functional_optim._transforms.adafactor import (
+    ScaleByAdafactorState,
+    check_real,
+    col_var_shape,
+    row_var_shape,
     scale_by_adafactor,
+    variance_shape,
 )
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.weight_decay import add_decayed_weights
+from functional_optim.functional import (
+    FunctionalAdafactor,
+)
 
-__all__ = ["adafactor"]
+__all__ = ["ADAFACTOR", "adafactor"]
 
 
 def _check(lr: float | Tensor, beta2_decay: float, eps: tuple[float | None, float], d: float,
@@ -62,9 +73,11 @@ def _build_adafactor(
         add_decayed_weights(decay),  # decoupled: param *= 1 - lr * wd
     )
     # the registered kernel, wrapped to step FSDP2 row shards with sharded statistics
-    return _kernel_step.with_kernel(
+    spec = ADAFACTOR.kernel_spec
+    assert spec is not None
+    return with_kernel(
         tx,
-        shards_adafactor(_kernel_step.SPECS["adafactor"]),
+        shards_adafactor(spec),
         {
             "lr": lr,
             "beta2_decay": beta2_decay,
@@ -121,3 +134,32 @@ def adafactor(
         foreach=foreach,
         maximize=maximize,
     )
+
+
+# -- the registry entry (functional_optim._registry lists it) ------------------------------
+
+#: The entry mirroring torch.optim.Adafactor.
+ADAFACTOR = Algorithm(
+    name="adafactor",
+    torch_name="Adafactor",
+    alias=adafactor,
+    transform=scale_by_adafactor,
+    state_type=ScaleByAdafactorState,
+    state_names={
+        ScaleByAdafactorState: {
+            "count": "step",
+            "row_var": "row_var",
+            "col_var": "col_var",
+            "variance": "variance",
+        }
+    },
+    kernel=kernels.adafactor,
+    kernel_args=(
+        PARAMS, GRADS, state("row_var", shape=row_var_shape),
+        state("col_var", shape=col_var_shape), state("variance", shape=variance_shape),
+        state("count"), "d", LR, "beta2_decay", "weight_decay", "eps1", "eps2", "maximize",
+        IMPL,
+    ),
+    check_inputs=check_real,
+    functional=FunctionalAdafactor,
+)  # fmt: skip

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from torch import Tensor
 
-from functional_optim._aliases import _kernel_step
+from functional_optim import kernels
+from functional_optim._algorithm import Algorithm
 from functional_optim._aliases._common import (
     LearningRate,
     as_float,
@@ -17,13 +20,21 @@ from functional_optim._aliases._common import (
     scalar_betas,
     torch_chain,
 )
+from functional_optim._aliases._kernel_spec import GRADS, IMPL, LR, PARAMS, KernelArg, state
 from functional_optim._base import GradientTransformation
 from functional_optim._recipes import transform_factory
-from functional_optim._transforms.adam import scale_by_adam
+from functional_optim._transforms.adam import (
+    ScaleByAdamState,
+    scale_by_adam,
+)
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.weight_decay import add_decayed_weights
+from functional_optim.functional import (
+    FunctionalAdam,
+    FunctionalAdamW,
+)
 
-__all__ = ["adam", "adamw"]
+__all__ = ["ADAM", "ADAMW", "adam", "adamw"]
 
 Betas = tuple[float | Tensor, float | Tensor]
 
@@ -81,9 +92,8 @@ def _build(
         add_decayed_weights(weight_decay if decoupled else 0.0),
     )
     name = "adamw" if decoupled else "adam"  # the decoupled kernel, same arguments
-    return _kernel_step.fused(
+    return (ADAMW if decoupled else ADAM).fused(
         tx,
-        name,
         path=kernel_path(
             name,
             foreach=foreach,
@@ -208,3 +218,53 @@ def adamw(
         fused=fused,
         decoupled_weight_decay=True,
     )
+
+
+# -- the registry entry (functional_optim._registry lists it) ------------------------------
+
+_ADAM_NAMES: Mapping[str, str] = {
+    "count": "step",
+    "mu": "exp_avg",
+    "nu": "exp_avg_sq",
+    "nu_max": "max_exp_avg_sq",
+}
+
+#: torch.optim.Adam's message, which AdamW (its subclass) shares.
+_ADAM_SPARSE = "Adam does not support sparse gradients, please consider SparseAdam instead"
+
+_ADAM_ARGS: tuple[KernelArg, ...] = (
+    PARAMS, GRADS, state("mu"), state("nu"), state("nu_max", when="amsgrad"), state("count"),
+    "amsgrad", "b1", "b2", LR, "weight_decay", "eps", "maximize", IMPL,
+)  # fmt: skip
+
+#: The entry mirroring torch.optim.Adam.
+ADAM = Algorithm(
+    name="adam",
+    torch_name="Adam",
+    elementwise=True,
+    alias=adam,
+    transform=scale_by_adam,
+    state_type=ScaleByAdamState,
+    state_names={ScaleByAdamState: _ADAM_NAMES},
+    kernel=kernels.adam,
+    kernel_args=_ADAM_ARGS,
+    functional=FunctionalAdam,
+    has_fused=True,
+    sparse_message=_ADAM_SPARSE,
+)  # fmt: skip
+
+#: The entry mirroring torch.optim.AdamW.
+ADAMW = Algorithm(
+    name="adamw",
+    torch_name="AdamW",
+    elementwise=True,
+    alias=adamw,
+    transform=scale_by_adam,
+    state_type=ScaleByAdamState,
+    state_names={ScaleByAdamState: _ADAM_NAMES},
+    kernel=kernels.adamw,
+    kernel_args=_ADAM_ARGS,
+    functional=FunctionalAdamW,
+    has_fused=True,
+    sparse_message=_ADAM_SPARSE,
+)  # fmt: skip

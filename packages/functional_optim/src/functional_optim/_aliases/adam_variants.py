@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from functional_optim._aliases import _kernel_step
+from functional_optim import kernels
+from functional_optim._algorithm import Algorithm
 from functional_optim._aliases._common import (
     KernelPath,
     LearningRate,
@@ -15,16 +16,23 @@ from functional_optim._aliases._common import (
     kernel_path,
     torch_chain,
 )
+from functional_optim._aliases._kernel_spec import GRADS, IMPL, LR, PARAMS, state
 from functional_optim._base import GradientTransformation
 from functional_optim._recipes import transform_factory
 from functional_optim._transforms.adam_variants import (
+    ScaleByNadamState,
+    ScaleByRadamState,
     scale_by_nadam,
     scale_by_radam,
 )
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.weight_decay import add_decayed_weights
+from functional_optim.functional import (
+    FunctionalNAdam,
+    FunctionalRAdam,
+)
 
-__all__ = ["nadam", "radam"]
+__all__ = ["NADAM", "RADAM", "nadam", "radam"]
 
 Betas = tuple[float | Tensor, float | Tensor]
 
@@ -68,9 +76,8 @@ def _build_nadam(
         scale_by_nadam(b1, b2, eps, momentum_decay),
         add_decayed_weights(weight_decay if decoupled else 0.0),
     )
-    return _kernel_step.fused(
+    return NADAM.fused(
         tx,
-        "nadam",
         path=_path("nadam", foreach, capturable, differentiable),
         lr=lr,
         b1=b1,
@@ -154,9 +161,8 @@ def _build_radam(
         scale_by_radam(b1, b2, eps),
         add_decayed_weights(weight_decay if decoupled else 0.0),
     )
-    return _kernel_step.fused(
+    return RADAM.fused(
         tx,
-        "radam",
         path=_path("radam", foreach, capturable, differentiable),
         lr=lr,
         b1=b1,
@@ -213,3 +219,49 @@ def radam(
         capturable=capturable,
         differentiable=differentiable,
     )
+
+
+# -- the registry entry (functional_optim._registry lists it) ------------------------------
+
+#: The entry mirroring torch.optim.NAdam.
+NADAM = Algorithm(
+    name="nadam",
+    torch_name="NAdam",
+    elementwise=True,
+    alias=nadam,
+    transform=scale_by_nadam,
+    state_type=ScaleByNadamState,
+    state_names={
+        ScaleByNadamState: {
+            "count": "step",
+            "mu_product": "mu_product",
+            "mu": "exp_avg",
+            "nu": "exp_avg_sq",
+        }
+    },
+    kernel=kernels.nadam,
+    kernel_args=(
+        PARAMS, GRADS, state("mu"), state("nu"), state("mu_product", shape="scalar"),
+        state("count"),
+        "b1", "b2", LR, "weight_decay", "momentum_decay", "eps", "decoupled", "maximize",
+        IMPL,
+    ),
+    functional=FunctionalNAdam,
+)  # fmt: skip
+
+#: The entry mirroring torch.optim.RAdam.
+RADAM = Algorithm(
+    name="radam",
+    torch_name="RAdam",
+    elementwise=True,
+    alias=radam,
+    transform=scale_by_radam,
+    state_type=ScaleByRadamState,
+    state_names={ScaleByRadamState: {"count": "step", "mu": "exp_avg", "nu": "exp_avg_sq"}},
+    kernel=kernels.radam,
+    kernel_args=(
+        PARAMS, GRADS, state("mu"), state("nu"), state("count"),
+        "b1", "b2", LR, "weight_decay", "eps", "decoupled", "maximize", IMPL,
+    ),
+    functional=FunctionalRAdam,
+)  # fmt: skip

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from functional_optim._aliases import _kernel_step
+from functional_optim import kernels
+from functional_optim._algorithm import Algorithm
 from functional_optim._aliases._common import (
     LearningRate,
     as_float,
@@ -15,16 +16,27 @@ from functional_optim._aliases._common import (
     kernel_path,
     torch_chain,
 )
+from functional_optim._aliases._kernel_spec import GRADS, IMPL, LR, PARAMS, state
 from functional_optim._base import GradientTransformation
 from functional_optim._recipes import transform_factory
-from functional_optim._transforms.adam import scale_by_adamax
+from functional_optim._transforms.adam import (
+    ScaleByAdamaxState,
+    scale_by_adamax,
+)
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.rms import (
+    ScaleByAdadeltaState,
+    ScaleByAdagradState,
     scale_by_adadelta,
     scale_by_adagrad,
 )
+from functional_optim.functional import (
+    FunctionalAdadelta,
+    FunctionalAdagrad,
+    FunctionalAdamax,
+)
 
-__all__ = ["adadelta", "adagrad", "adamax"]
+__all__ = ["ADADELTA", "ADAGRAD", "ADAMAX", "adadelta", "adagrad", "adamax"]
 
 
 def _build_adagrad(
@@ -47,9 +59,8 @@ def _build_adagrad(
     tx = torch_chain(
         maximize, weight_decay, lr, scale_by_adagrad(lr_decay, eps, initial_accumulator_value)
     )
-    return _kernel_step.fused(
+    return ADAGRAD.fused(
         tx,
-        "adagrad",
         path=kernel_path("adagrad", foreach=foreach, fused=fused, differentiable=differentiable),
         lr=lr,
         weight_decay=weight_decay,
@@ -126,9 +137,8 @@ def _build_adadelta(
     path = kernel_path(
         "adadelta", foreach=foreach, capturable=capturable, differentiable=differentiable
     )
-    return _kernel_step.fused(
+    return ADADELTA.fused(
         tx,
-        "adadelta",
         path=path,
         lr=lr,
         rho=rho,
@@ -198,9 +208,8 @@ def _build_adamax(
     check_nonneg(weight_decay, "weight_decay value")
     b1, b2 = as_float(betas[0]), as_float(betas[1])
     tx = torch_chain(maximize, weight_decay, lr, scale_by_adamax(b1, b2, eps))
-    return _kernel_step.fused(
+    return ADAMAX.fused(
         tx,
-        "adamax",
         path=kernel_path(
             "adamax", foreach=foreach, capturable=capturable, differentiable=differentiable
         ),
@@ -255,3 +264,63 @@ def adamax(
         differentiable=differentiable,
         capturable=capturable,
     )
+
+
+# -- the registry entry (functional_optim._registry lists it) ------------------------------
+
+#: The entry mirroring torch.optim.Adamax.
+ADAMAX = Algorithm(
+    name="adamax",
+    torch_name="Adamax",
+    elementwise=True,
+    alias=adamax,
+    transform=scale_by_adamax,
+    state_type=ScaleByAdamaxState,
+    state_names={ScaleByAdamaxState: {"count": "step", "mu": "exp_avg", "nu": "exp_inf"}},
+    kernel=kernels.adamax,
+    kernel_args=(
+        PARAMS, GRADS, state("mu"), state("nu"), state("count"),
+        "eps", "b1", "b2", LR, "weight_decay", "maximize", IMPL,
+    ),
+    functional=FunctionalAdamax,
+)  # fmt: skip
+
+#: The entry mirroring torch.optim.Adagrad.
+ADAGRAD = Algorithm(
+    name="adagrad",
+    torch_name="Adagrad",
+    elementwise=True,
+    alias=adagrad,
+    transform=scale_by_adagrad,
+    state_type=ScaleByAdagradState,
+    state_names={ScaleByAdagradState: {"count": "step", "sum_of_squares": "sum"}},
+    kernel=kernels.adagrad,
+    kernel_args=(
+        PARAMS, GRADS, state("sum_of_squares"), state("count"),
+        LR, "weight_decay", "lr_decay", "eps", "maximize", IMPL,
+    ),
+    functional=FunctionalAdagrad,
+    has_fused=True,
+    takes_sparse=True,
+    promotes=True,
+)  # fmt: skip
+
+#: The entry mirroring torch.optim.Adadelta.
+ADADELTA = Algorithm(
+    name="adadelta",
+    torch_name="Adadelta",
+    elementwise=True,
+    alias=adadelta,
+    transform=scale_by_adadelta,
+    state_type=ScaleByAdadeltaState,
+    state_names={
+        ScaleByAdadeltaState: {"count": "step", "nu": "square_avg", "acc_delta": "acc_delta"}
+    },
+    kernel=kernels.adadelta,
+    kernel_args=(
+        PARAMS, GRADS, state("nu"), state("acc_delta"), state("count"),
+        LR, "rho", "eps", "weight_decay", "maximize", IMPL,
+    ),
+    functional=FunctionalAdadelta,
+    promotes=True,
+)  # fmt: skip

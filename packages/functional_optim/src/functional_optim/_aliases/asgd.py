@@ -4,20 +4,23 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from functional_optim._aliases import _kernel_step
+from functional_optim import kernels
+from functional_optim._algorithm import Algorithm
 from functional_optim._aliases._common import (
     check_lr,
     check_nonneg,
     kernel_path,
     maximize_tx,
 )
+from functional_optim._aliases._kernel_spec import GRADS, IMPL, LR, PARAMS, state
 from functional_optim._base import GradientTransformation, chain
 from functional_optim._recipes import transform_factory
-from functional_optim._transforms.asgd import scale_by_asgd
+from functional_optim._transforms.asgd import ScaleByAsgdState, scale_by_asgd
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.weight_decay import add_decayed_weights
+from functional_optim.functional import FunctionalASGD
 
-__all__ = ["asgd"]
+__all__ = ["ASGD", "asgd"]
 
 
 def _build_asgd(
@@ -42,9 +45,8 @@ def _build_asgd(
         add_decayed_weights(weight_decay),
         scale_by_asgd(lr if isinstance(lr, Tensor) else float(lr), lambd, alpha, t0),
     )
-    return _kernel_step.fused(
+    return ASGD.fused(
         tx,
-        "asgd",
         path=kernel_path(
             "asgd", foreach=foreach, capturable=capturable, differentiable=differentiable
         ),
@@ -104,3 +106,25 @@ def asgd(
         differentiable=differentiable,
         capturable=capturable,
     )
+
+
+# -- the registry entry (functional_optim._registry lists it) ------------------------------
+
+#: The entry mirroring torch.optim.ASGD.
+ASGD = Algorithm(
+    name="asgd",
+    torch_name="ASGD",
+    elementwise=True,
+    alias=asgd,
+    transform=scale_by_asgd,
+    state_type=ScaleByAsgdState,
+    state_names={ScaleByAsgdState: {"count": "step", "eta": "eta", "mu": "mu", "ax": "ax"}},
+    kernel=kernels.asgd,
+    kernel_args=(
+        PARAMS, GRADS, state("ax"), state("mu", shape="scalar"),
+        state("eta", shape="scalar"), state("count"),
+        "lambd", LR, "t0", "alpha", "weight_decay", "maximize", IMPL,
+    ),
+    functional=FunctionalASGD,
+    promotes=True,
+)  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from functional_optim._algorithm import Algorithm
 from functional_optim._aliases._common import scalar_lr
 from functional_optim._base import GradientTransformation, OptState
 from functional_optim._recipes import transform_factory
@@ -12,7 +13,7 @@ from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.lbfgs import LbfgsState, lbfgs_minimize
 from functional_optim._tree import PyTree, tree_leaves
 
-__all__ = ["lbfgs", "scale_by_lbfgs"]
+__all__ = ["LBFGS", "lbfgs", "scale_by_lbfgs"]
 
 _NEEDS_CLOSURE = (
     "lbfgs re-evaluates the model several times per step: call "
@@ -145,3 +146,17 @@ def lbfgs(
     assert tx.step is not None
     tx.step.needs_closure = True  # type: ignore[attr-defined]  # read by fo.Optimizer.step
     return tx
+
+
+# -- the registry entry (functional_optim._registry lists it) ------------------------------
+
+#: The entry mirroring torch.optim.LBFGS.
+LBFGS = Algorithm(
+    name="lbfgs",
+    torch_name="LBFGS",
+    alias=lbfgs,
+    transform=scale_by_lbfgs,
+    state_type=LbfgsState,
+    state_names={LbfgsState: {"memory": "memory"}},
+    needs_closure=True,
+)  # fmt: skip

@@ -7,11 +7,14 @@ from typing import Any
 
 from torch import Tensor
 
+from functional_optim import kernels
+from functional_optim._algorithm import Algorithm
 from functional_optim._aliases._common import (
     LearningRate,
     scalar_lr,
 )
-from functional_optim._aliases._kernel_step import LR, SPECS, KernelSpec, fused, with_kernel
+from functional_optim._aliases._kernel_spec import GRADS, IMPL, LR, PARAMS, state
+from functional_optim._aliases._kernel_step import KernelSpec, with_kernel
 from functional_optim._base import GradientTransformation, chain
 from functional_optim._recipes import transform_factory
 from functional_optim._sharded_matrix import shards_matrices
@@ -19,40 +22,43 @@ from functional_optim._transforms._leaf import is_traced
 from functional_optim._transforms.hyperparams import inject_hyperparams
 from functional_optim._transforms.muon import (
     DEFAULT_NS_COEFFICIENTS,
+    ScaleByMuonState,
+    check_muon_inputs,
     scale_by_muon,
 )
 from functional_optim._transforms.scale import scale_by_learning_rate
 from functional_optim._transforms.weight_decay import add_decayed_weights
+from functional_optim.functional import FunctionalMuon
 
-__all__ = ["fused_tensor_lr", "muon"]
+__all__ = ["MUON", "fused_tensor_lr", "muon"]
 
-#: Alias name -> (its registered kernel declaration, that declaration taking ``lr`` as given).
-_TENSOR_LR_SPECS: dict[str, tuple[KernelSpec, KernelSpec]] = {}
+#: kernel declaration -> that declaration taking ``lr`` as the builder gives it
+_TENSOR_LR_SPECS: dict[int, tuple[KernelSpec, KernelSpec]] = {}
 
 
-def _tensor_lr_spec(name: str) -> KernelSpec:
-    """``name``'s kernel declaration with the ``lr`` argument passed as the builder has it
-    (the ``LR`` source reads a tensor as a float), derived again if the entry changed."""
-    if name not in SPECS:
-        raise KeyError(f"no registered algorithm {name!r} declares a kernel")
-    spec = SPECS[name]
-    cached = _TENSOR_LR_SPECS.get(name)
+def _tensor_lr_spec(spec: KernelSpec) -> KernelSpec:
+    """``spec`` with the ``lr`` argument passed as the builder has it (the ``LR`` source reads
+    a tensor as a float)."""
+    cached = _TENSOR_LR_SPECS.get(id(spec))
     if cached is None or cached[0] is not spec:
         args = tuple("lr" if arg is LR else arg for arg in spec.args)
         cached = (spec, dataclasses.replace(spec, args=args))
-        _TENSOR_LR_SPECS[name] = cached
+        _TENSOR_LR_SPECS[id(spec)] = cached
     return cached[1]
 
 
-def fused_tensor_lr(tx: GradientTransformation, name: str, **values: Any) -> GradientTransformation:
-    """``fused(tx, name, **values)``, but a tensor ``lr`` reaches the kernel as the tensor:
+def fused_tensor_lr(
+    tx: GradientTransformation, entry: Algorithm, **values: Any
+) -> GradientTransformation:
+    """``entry.fused(tx, **values)``, but a tensor ``lr`` reaches the kernel as the tensor:
     torch's Muon and SparseAdam compute their step sizes from a tensor lr in tensor maths (in
     its dtype), which the kernel reproduces only when it gets the tensor. A float, a schedule
-    or a traced (vmapped) lr goes through :func:`fused` as before."""
+    or a traced (vmapped) lr goes through :meth:`Algorithm.fused` as before."""
     lr = values["lr"]
-    if not isinstance(lr, Tensor) or is_traced(lr):
-        return fused(tx, name, **values)
-    return with_kernel(tx, _tensor_lr_spec(name), values)
+    spec = entry.kernel_spec
+    if not isinstance(lr, Tensor) or is_traced(lr) or spec is None:
+        return entry.fused(tx, **values)
+    return with_kernel(tx, _tensor_lr_spec(spec), values)
 
 
 def _check(
@@ -92,7 +98,9 @@ def _build_muon(
     )
     # the registered kernel, wrapped to step FSDP2-sharded matrices on one owner rank each
     tensor_lr = isinstance(lr, Tensor) and not is_traced(lr)
-    spec = _tensor_lr_spec("muon") if tensor_lr else SPECS["muon"]
+    spec = MUON.kernel_spec
+    assert spec is not None
+    spec = _tensor_lr_spec(spec) if tensor_lr else spec
     return with_kernel(
         tx,
         shards_matrices(spec),
@@ -149,3 +157,23 @@ def muon(
         ns_steps=ns_steps,
         adjust_lr_fn=adjust_lr_fn,
     )
+
+
+# -- the registry entry (functional_optim._registry lists it) ------------------------------
+
+#: The entry mirroring torch.optim.Muon.
+MUON = Algorithm(
+    name="muon",
+    torch_name="Muon",
+    alias=muon,
+    transform=scale_by_muon,
+    state_type=ScaleByMuonState,
+    state_names={ScaleByMuonState: {"momentum_buffer": "momentum_buffer"}},
+    kernel=kernels.muon,
+    kernel_args=(
+        PARAMS, GRADS, state("momentum_buffer"), LR, "weight_decay", "momentum",
+        "nesterov", "ns_coefficients", "ns_steps", "eps", "adjust_lr_fn", IMPL,
+    ),
+    check_inputs=check_muon_inputs,
+    functional=FunctionalMuon,
+)  # fmt: skip

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from functional_optim._aliases import _kernel_step
+from functional_optim import kernels
+from functional_optim._algorithm import Algorithm
 from functional_optim._aliases._common import (
     LearningRate,
     as_float,
@@ -14,15 +15,24 @@ from functional_optim._aliases._common import (
     maximize_tx,
     torch_chain,
 )
+from functional_optim._aliases._kernel_spec import GRADS, IMPL, LR, PARAMS, state
+from functional_optim._aliases.sgd import TRACE_NAMES
 from functional_optim._base import GradientTransformation, chain
 from functional_optim._recipes import transform_factory
 from functional_optim._transforms.hyperparams import inject_hyperparams
-from functional_optim._transforms.momentum import trace
-from functional_optim._transforms.rms import scale_by_rms
-from functional_optim._transforms.rprop import scale_by_rprop
+from functional_optim._transforms.momentum import TraceState, trace
+from functional_optim._transforms.rms import (
+    ScaleByRmsState,
+    scale_by_rms,
+)
+from functional_optim._transforms.rprop import ScaleByRpropState, scale_by_rprop
 from functional_optim._transforms.scale import scale
+from functional_optim.functional import (
+    FunctionalRMSprop,
+    FunctionalRprop,
+)
 
-__all__ = ["rmsprop", "rprop"]
+__all__ = ["RMSPROP", "RPROP", "rmsprop", "rprop"]
 
 
 def _build_rmsprop(
@@ -45,9 +55,8 @@ def _build_rmsprop(
     tx = torch_chain(
         maximize, weight_decay, lr, scale_by_rms(alpha, eps, centered), trace(momentum)
     )
-    return _kernel_step.fused(
+    return RMSPROP.fused(
         tx,
-        "rmsprop",
         path=kernel_path(
             "rmsprop", foreach=foreach, capturable=capturable, differentiable=differentiable
         ),
@@ -129,9 +138,8 @@ def _build_rprop(
         scale_by_rprop(as_float(lr), etas, step_sizes),
         scale(-1.0),
     )
-    return _kernel_step.fused(
+    return RPROP.fused(
         tx,
-        "rprop",
         path=kernel_path(
             "rprop", foreach=foreach, capturable=capturable, differentiable=differentiable
         ),
@@ -183,3 +191,50 @@ def rprop(
         maximize=maximize,
         differentiable=differentiable,
     )
+
+
+# -- the registry entry (functional_optim._registry lists it) ------------------------------
+
+#: The entry mirroring torch.optim.RMSprop.
+RMSPROP = Algorithm(
+    name="rmsprop",
+    torch_name="RMSprop",
+    elementwise=True,
+    alias=rmsprop,
+    transform=scale_by_rms,
+    state_type=ScaleByRmsState,
+    state_names={
+        ScaleByRmsState: {"count": "step", "nu": "square_avg", "mu": "grad_avg"},
+        **TRACE_NAMES,
+    },
+    kernel=kernels.rmsprop,
+    kernel_args=(
+        PARAMS, GRADS, state("nu"), state("mu", when="centered"),
+        state("momentum_buffer", when="momentum", of=TraceState, fill="zeros"),
+        state("count"), LR, "alpha", "eps", "weight_decay", "momentum", "centered",
+        "maximize", IMPL,
+    ),
+    functional=FunctionalRMSprop,
+    promotes=True,
+    one_dtype_when="centered",
+)  # fmt: skip
+
+#: The entry mirroring torch.optim.Rprop.
+RPROP = Algorithm(
+    name="rprop",
+    torch_name="Rprop",
+    elementwise=True,
+    alias=rprop,
+    transform=scale_by_rprop,
+    state_type=ScaleByRpropState,
+    state_names={
+        ScaleByRpropState: {"count": "step", "prev": "prev", "step_size": "step_size"}
+    },
+    kernel=kernels.rprop,
+    kernel_args=(
+        PARAMS, GRADS, state("prev"), state("step_size"), state("count"),
+        "step_size_min", "step_size_max", "etaminus", "etaplus", "maximize", IMPL,
+    ),
+    functional=FunctionalRprop,
+    promotes=True,
+)  # fmt: skip

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from torch import Tensor
 
-from functional_optim._aliases import _kernel_step
+from functional_optim import kernels
+from functional_optim._algorithm import Algorithm
 from functional_optim._aliases._common import (
     LearningRate,
     check_fused,
@@ -13,12 +16,14 @@ from functional_optim._aliases._common import (
     kernel_path,
     torch_chain,
 )
+from functional_optim._aliases._kernel_spec import GRADS, IMPL, LR, PARAMS, state
 from functional_optim._base import GradientTransformation
 from functional_optim._recipes import transform_factory
 from functional_optim._transforms.hyperparams import inject_hyperparams
-from functional_optim._transforms.momentum import trace
+from functional_optim._transforms.momentum import TraceState, trace
+from functional_optim.functional import FunctionalSGD
 
-__all__ = ["sgd"]
+__all__ = ["SGD", "TRACE_NAMES", "sgd"]
 
 
 def _build(
@@ -39,9 +44,8 @@ def _build(
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
     check_fused(fused, foreach, differentiable)
     tx = torch_chain(maximize, weight_decay, lr, trace(momentum, dampening, nesterov))
-    return _kernel_step.fused(
+    return SGD.fused(
         tx,
-        "sgd",
         path=kernel_path("sgd", foreach=foreach, fused=fused, differentiable=differentiable),
         lr=lr,
         momentum=momentum,
@@ -98,3 +102,29 @@ def sgd(
         differentiable=differentiable,
         fused=fused,
     )
+
+
+# -- the registry entry (functional_optim._registry lists it) ------------------------------
+
+#: torch's key of :class:`TraceState`'s buffer (SGD's, and RMSprop's momentum).
+TRACE_NAMES: dict[type, Mapping[str, str]] = {TraceState: {"momentum_buffer": "momentum_buffer"}}
+
+#: The entry mirroring torch.optim.SGD.
+SGD = Algorithm(
+    name="sgd",
+    torch_name="SGD",
+    elementwise=True,
+    alias=sgd,
+    transform=trace,
+    state_type=TraceState,
+    state_names=TRACE_NAMES,
+    kernel=kernels.sgd,
+    kernel_args=(
+        PARAMS, GRADS, state("momentum_buffer", when="momentum", fill="kernel"),
+        LR, "momentum", "dampening", "weight_decay", "nesterov", "maximize", IMPL,
+    ),
+    functional=FunctionalSGD,
+    has_fused=True,
+    takes_sparse=True,
+    promotes=True,
+)  # fmt: skip
