@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import functional_optim as fo
+from functional_optim._lowbit import fused_cpu
 from functional_optim._lowbit import transform as lowbit_transform
 from functional_optim._lowbit.codes import code_map
 from functional_optim._lowbit.convert import max_error
@@ -287,6 +288,7 @@ def test_compiled_codec_gives_the_same_bits(kind: str, monkeypatch: pytest.Monke
     from torch._dynamo.utils import counters
 
     monkeypatch.setattr(lowbit_transform, "BATCH_ELEMENTS", 256)  # full compiled runs of 1024
+    monkeypatch.setattr(fused_cpu, "extension", lambda: None)  # the batched path, not the C++ one
     runs = []
     graphs = counters["stats"]["unique_graphs"]
     for compiled in (False, True):

@@ -1,5 +1,4 @@
-"""The ``"int8"`` minifloat codes and the one-pass C++ step of 8-bit and fp8 Adam / AdamW on
-CPU.
+"""The ``"int8"`` minifloat codes and the one-pass C++ step of low-bit Adam / AdamW on CPU.
 
 The C++ step (``compile=None``, the default) must give bitwise what the torch-op path gives
 (``compile=False``: the batched path with the same maths), and fall back to that path, with
@@ -81,6 +80,10 @@ CASES = {
     "fp8_adam_l2_maximize": _lowbit(
         lambda: fo.adam(lr=1e-2, weight_decay=0.05, maximize=True), "fp8"
     ),
+    "int4_adamw": _lowbit(lambda: fo.adamw(lr=1e-2, weight_decay=0.1), "int4"),
+    "int4_adam_l2_maximize": _lowbit(
+        lambda: fo.adam(lr=1e-2, weight_decay=0.05, maximize=True), "int4"
+    ),
 }
 
 
@@ -96,6 +99,10 @@ PAIRS["alias"] = (
 PAIRS["fp8_alias"] = (
     lambda: fo.adamw_fp8(lr=1e-2, block_size=64, min_size=200),
     functools.partial(_lowbit(lambda: fo.adamw(lr=1e-2), "fp8"), False),
+)
+PAIRS["int4_alias"] = (
+    lambda: fo.adamw4bit(lr=1e-2, block_size=64, min_size=200),
+    functools.partial(_lowbit(lambda: fo.adamw(lr=1e-2), "int4"), False),
 )
 
 

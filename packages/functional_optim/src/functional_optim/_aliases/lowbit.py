@@ -125,7 +125,8 @@ def adamw4bit(
     min_size: int = 4096,
 ) -> GradientTransformation:
     """AdamW with 4-bit moments, two codes per byte; the second moment never rounds a
-    non-zero value to zero (Li et al. 2023).
+    non-zero value to zero (Li et al. 2023). On fp32 CPU params, one C++ pass per step, as
+    :func:`adamw8bit`.
 
     Args: as :func:`adamw8bit` (``block_size`` defaults to 128).
     """

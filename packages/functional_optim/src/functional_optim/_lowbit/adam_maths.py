@@ -1,4 +1,4 @@
-"""Adam's maths for ``"int8"`` and ``"fp8"`` moments on CPU: one definition for every path.
+"""Adam's maths for low-bit moments on CPU: one definition for every path.
 
 With these moments the Adam and AdamW kernels (:func:`functional_optim.kernels.adam`,
 :func:`~functional_optim.kernels.adamw`) are replaced, through the kernel seam

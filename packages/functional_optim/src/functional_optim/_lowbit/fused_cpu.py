@@ -1,12 +1,12 @@
-"""One-pass C++ step of Adam / AdamW with ``"int8"`` or ``"fp8"`` moments, for fp32 params on
-CPU.
+"""One-pass C++ step of Adam / AdamW with low-bit moments (``"int8"``, ``"fp8"``, ``"int4"``),
+for fp32 params on CPU.
 
-Block by block, in one pass over each parameter: decode the two moments (:mod:`.minifloat`, or
-``float8_e4m3fn`` by bit operations that round as torch's cast does),
-run Adam's maths (:func:`.adam_maths.adam_lists`' operations, in its order, in fp32 without
-fused multiply-adds), keep the block's new moments in a small buffer while taking their largest
-magnitudes, then encode them. torch has no such kernel, and the element-wise torch ops that do
-the same work make about ten passes over memory.
+Block by block, in one pass over each parameter: decode the two moments (:mod:`.minifloat`;
+``float8_e4m3fn`` by bit operations that round as torch's cast does; 4-bit codes through the
+code map's value and cell tables), run Adam's maths (:func:`.adam_maths.adam_lists`'
+operations, in its order, in fp32 without fused multiply-adds), keep the block's new moments in
+a small buffer while taking their largest magnitudes, then encode them. torch has no such
+kernel, and the element-wise torch ops that do the same work make about ten passes over memory.
 
 The extension is built with :func:`torch.utils.cpp_extension.load_inline` the first time it is
 needed (about 30 s; then cached by torch). Without a C++ compiler or ``ninja`` it is not
@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["extension", "step"]
+__all__ = ["KINDS", "extension", "step"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -89,27 +89,74 @@ inline uint8_t encode_fp8(float y) {
 
 constexpr float kFp8Max = 448.0f;
 
-// The two formats: decode(code, block scale), and encode(value, block maximum) through a
-// per-block factor, each as the torch-op path computes it (_lowbit/blockwise.py).
+// The formats: decode(codes, element, block scale), and encode a block through a per-block
+// factor, each as the torch-op path computes it (_lowbit/blockwise.py).
 struct Int8Format {
-  static float decode_m(uint8_t c, float scale) { return decode_signed(c) * scale; }
-  static float decode_v(uint8_t c, float scale) { return decode_unsigned(c) * scale; }
+  float decode_m(const uint8_t* c, int64_t i, float s) const { return decode_signed(c[i]) * s; }
+  float decode_v(const uint8_t* c, int64_t i, float s) const {
+    return decode_unsigned(c[i]) * s;
+  }
   static float factor(float max) { return max > 0.0f ? 1.0f / max : 0.0f; }
-  static uint8_t encode_m(float x, float f) { return encode_signed(x * f); }
-  static uint8_t encode_v(float x, float f) { return encode_unsigned(x * f); }
+  void encode(uint8_t* __restrict mc, uint8_t* __restrict vc, const float* __restrict m,
+              const float* __restrict v, int64_t n, float mf, float vf) const {
+    for (int64_t i = 0; i < n; ++i) {
+      mc[i] = encode_signed(m[i] * mf);
+      vc[i] = encode_unsigned(v[i] * vf);
+    }
+  }
 };
 
 struct Fp8Format {
-  static float decode_m(uint8_t c, float scale) { return (decode_fp8(c) / kFp8Max) * scale; }
-  static float decode_v(uint8_t c, float scale) { return decode_m(c, scale); }
+  float decode_m(const uint8_t* c, int64_t i, float s) const {
+    return (decode_fp8(c[i]) / kFp8Max) * s;
+  }
+  float decode_v(const uint8_t* c, int64_t i, float s) const { return decode_m(c, i, s); }
   static float factor(float max) { return max > 0.0f ? max : 1.0f; }  // the divisor
-  static uint8_t encode_m(float x, float f) { return encode_fp8((x / f) * kFp8Max); }
-  static uint8_t encode_v(float x, float f) { return encode_m(x, f); }
+  void encode(uint8_t* __restrict mc, uint8_t* __restrict vc, const float* __restrict m,
+              const float* __restrict v, int64_t n, float mf, float vf) const {
+    for (int64_t i = 0; i < n; ++i) {
+      mc[i] = encode_fp8((m[i] / mf) * kFp8Max);
+      vc[i] = encode_fp8((v[i] / vf) * kFp8Max);
+    }
+  }
+};
+
+// 4-bit codes, two per byte (the even element in the low nibble): a value table, and the
+// encoder's 65536-cell tables (the code at a cell's low end, the midpoint inside it).
+struct Int4Map {
+  const float* table;
+  const int32_t* base;
+  const float* split;
+  uint8_t encode(float x) const {
+    const int32_t cell = (int32_t(to_bits(x)) >> 16) + 32768;
+    return uint8_t(base[cell] + (x > split[cell] ? 1 : 0));
+  }
+};
+
+struct Int4Format {
+  Int4Map m, v;
+  float decode_m(const uint8_t* c, int64_t i, float s) const {
+    return m.table[(c[i >> 1] >> ((i & 1) * 4)) & 15] * s;
+  }
+  float decode_v(const uint8_t* c, int64_t i, float s) const {
+    return v.table[(c[i >> 1] >> ((i & 1) * 4)) & 15] * s;
+  }
+  static float factor(float max) { return max > 0.0f ? max : 1.0f; }  // the divisor
+  void encode(uint8_t* mc, uint8_t* vc, const float* mx, const float* vx, int64_t n, float mf,
+              float vf) const {
+    for (int64_t i = 0; i < n; i += 2) {  // an odd tail pairs with padding: code 0
+      const bool pair = i + 1 < n;
+      const int high_m = pair ? m.encode(mx[i + 1] / mf) << 4 : 0;
+      const int high_v = pair ? v.encode(vx[i + 1] / vf) << 4 : 0;
+      mc[i >> 1] = uint8_t(m.encode(mx[i] / mf) | high_m);
+      vc[i >> 1] = uint8_t(v.encode(vx[i] / vf) | high_v);
+    }
+  }
 };
 
 template <typename Format, bool kMaximize, bool kL2>
-void adam_block(float* __restrict p, const float* __restrict g, uint8_t* __restrict mc,
-                float* ms, uint8_t* __restrict vc, float* vs, int64_t n,
+void adam_block(const Format& fmt, float* __restrict p, const float* __restrict g,
+                uint8_t* __restrict mc, float* ms, uint8_t* __restrict vc, float* vs, int64_t n,
                 float* __restrict mbuf, float* __restrict vbuf, float w1, float b2, float w2,
                 float eps, float decay, float l2, float step_size, float bc2_sqrt) {
   const float dm = *ms, dv = *vs;
@@ -118,8 +165,8 @@ void adam_block(float* __restrict p, const float* __restrict g, uint8_t* __restr
     float grad = kMaximize ? -g[i] : g[i];
     const float param = p[i];
     if (kL2) grad = grad + param * l2;
-    float m = Format::decode_m(mc[i], dm);
-    float v = Format::decode_v(vc[i], dv);
+    float m = fmt.decode_m(mc, i, dm);
+    float v = fmt.decode_v(vc, i, dv);
     m = m + (grad - m) * w1;
     v = v * b2 + (grad * grad) * w2;
     float denom = std::sqrt(v) / bc2_sqrt + eps;
@@ -132,30 +179,63 @@ void adam_block(float* __restrict p, const float* __restrict g, uint8_t* __restr
   const float mmax = from_bits(mmax_bits), vmax = from_bits(vmax_bits);
   *ms = mmax;
   *vs = vmax;
-  const float mf = Format::factor(mmax), vf = Format::factor(vmax);
-  for (int64_t i = 0; i < n; ++i) {
-    mc[i] = Format::encode_m(mbuf[i], mf);
-    vc[i] = Format::encode_v(vbuf[i], vf);
-  }
+  fmt.encode(mc, vc, mbuf, vbuf, n, Format::factor(mmax), Format::factor(vmax));
 }
 
-using BlockFn = decltype(&adam_block<Int8Format, false, false>);
+struct Step {
+  float w1, b2, w2, eps, decay, l2;
+};
+
+// One parameter: its blocks in parallel.
+template <typename Format, bool kMaximize, bool kL2>
+void adam_param(const Format& fmt, const Step& h, float* p, const float* g, uint8_t* mc,
+                float* ms, uint8_t* vc, float* vs, int64_t n, int64_t block_size,
+                int64_t per_byte, float step_size, float bc2_sqrt) {
+  const int64_t blocks = (n + block_size - 1) / block_size;
+  at::parallel_for(0, blocks, std::max<int64_t>(1, 32768 / block_size),
+                   [&](int64_t first, int64_t last) {
+    std::vector<float> mbuf(block_size), vbuf(block_size);
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t lo = b * block_size;
+      const int64_t len = std::min(block_size, n - lo);
+      adam_block<Format, kMaximize, kL2>(fmt, p + lo, g + lo, mc + lo / per_byte, ms + b,
+                                         vc + lo / per_byte, vs + b, len, mbuf.data(),
+                                         vbuf.data(), h.w1, h.b2, h.w2, h.eps, h.decay, h.l2,
+                                         step_size, bc2_sqrt);
+    }
+  });
+}
 
 template <typename Format>
-BlockFn pick(bool maximize, bool l2) {
-  if (maximize) return l2 ? &adam_block<Format, true, true> : &adam_block<Format, true, false>;
-  return l2 ? &adam_block<Format, false, true> : &adam_block<Format, false, false>;
+void adam_param_any(const Format& fmt, const Step& h, bool maximize, float* p, const float* g,
+                    uint8_t* mc, float* ms, uint8_t* vc, float* vs, int64_t n,
+                    int64_t block_size, int64_t per_byte, float step_size, float bc2_sqrt) {
+  const bool l2 = h.l2 != 0.0f;
+  if (maximize && l2) {
+    adam_param<Format, true, true>(fmt, h, p, g, mc, ms, vc, vs, n, block_size, per_byte,
+                                   step_size, bc2_sqrt);
+  } else if (maximize) {
+    adam_param<Format, true, false>(fmt, h, p, g, mc, ms, vc, vs, n, block_size, per_byte,
+                                    step_size, bc2_sqrt);
+  } else if (l2) {
+    adam_param<Format, false, true>(fmt, h, p, g, mc, ms, vc, vs, n, block_size, per_byte,
+                                    step_size, bc2_sqrt);
+  } else {
+    adam_param<Format, false, false>(fmt, h, p, g, mc, ms, vc, vs, n, block_size, per_byte,
+                                     step_size, bc2_sqrt);
+  }
 }
 
 }  // namespace
 
-bool adam_int8_fits(const std::vector<at::Tensor>& params,
+bool adam_lowbit_fits(const std::vector<at::Tensor>& params,
                     const std::vector<at::Tensor>& grads,
                     const std::vector<at::Tensor>& m_codes,
                     const std::vector<at::Tensor>& m_scales,
                     const std::vector<at::Tensor>& v_codes,
                     const std::vector<at::Tensor>& v_scales,
-                    const std::vector<at::Tensor>& steps, int64_t block_size) {
+                    const std::vector<at::Tensor>& steps, int64_t block_size,
+                    int64_t per_byte) {
   const size_t count = params.size();
   if (grads.size() != count || m_codes.size() != count || m_scales.size() != count ||
       v_codes.size() != count || v_scales.size() != count || steps.size() != count) {
@@ -170,8 +250,8 @@ bool adam_int8_fits(const std::vector<at::Tensor>& params,
     const int64_t blocks = (n + block_size - 1) / block_size;
     if (!plain(params[j], at::kFloat) || !plain(grads[j], at::kFloat) ||
         grads[j].numel() != n || !plain(m_codes[j], at::kByte) ||
-        !plain(v_codes[j], at::kByte) || m_codes[j].numel() != blocks * block_size ||
-        v_codes[j].numel() != blocks * block_size || !plain(m_scales[j], at::kFloat) ||
+        !plain(v_codes[j], at::kByte) || m_codes[j].numel() != blocks * block_size / per_byte ||
+        v_codes[j].numel() != blocks * block_size / per_byte || !plain(m_scales[j], at::kFloat) ||
         !plain(v_scales[j], at::kFloat) || m_scales[j].numel() != blocks ||
         v_scales[j].numel() != blocks || steps[j].numel() != 1 ||
         !steps[j].device().is_cpu()) {
@@ -181,18 +261,28 @@ bool adam_int8_fits(const std::vector<at::Tensor>& params,
   return true;
 }
 
-void adam_int8_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
-                    std::vector<at::Tensor> m_codes, std::vector<at::Tensor> m_scales,
-                    std::vector<at::Tensor> v_codes, std::vector<at::Tensor> v_scales,
-                    std::vector<at::Tensor> steps, double lr, double beta1, double beta2,
-                    double eps, double weight_decay, bool decoupled, bool maximize,
-                    int64_t block_size, bool fp8) {
-  const float w1 = float(1.0 - beta1), b2 = float(beta2), w2 = float(1.0 - beta2);
-  const float feps = float(eps);
-  const float decay = decoupled ? float(1.0 - lr * weight_decay) : 1.0f;
-  const float l2 = decoupled ? 0.0f : float(weight_decay);
-  const BlockFn block =
-      fp8 ? pick<Fp8Format>(maximize, l2 != 0.0f) : pick<Int8Format>(maximize, l2 != 0.0f);
+void adam_lowbit_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
+                      std::vector<at::Tensor> m_codes, std::vector<at::Tensor> m_scales,
+                      std::vector<at::Tensor> v_codes, std::vector<at::Tensor> v_scales,
+                      std::vector<at::Tensor> steps, double lr, double beta1, double beta2,
+                      double eps, double weight_decay, bool decoupled, bool maximize,
+                      int64_t block_size, int64_t kind, std::vector<at::Tensor> int4_maps) {
+  Step h;
+  h.w1 = float(1.0 - beta1);
+  h.b2 = float(beta2);
+  h.w2 = float(1.0 - beta2);
+  h.eps = float(eps);
+  h.decay = decoupled ? float(1.0 - lr * weight_decay) : 1.0f;
+  h.l2 = decoupled ? 0.0f : float(weight_decay);
+  Int4Format int4{};
+  if (kind == 2) {
+    auto map = [&](int64_t k) {
+      return Int4Map{int4_maps[k].data_ptr<float>(), int4_maps[k + 1].data_ptr<int32_t>(),
+                     int4_maps[k + 2].data_ptr<float>()};
+    };
+    int4 = Int4Format{map(0), map(3)};
+  }
+  const int64_t per_byte = kind == 2 ? 2 : 1;
   for (size_t j = 0; j < params.size(); ++j) {
     const double t = steps[j].item<double>() + 1.0;
     const float step_size = float(lr / (1.0 - std::pow(beta1, t)));
@@ -204,17 +294,16 @@ void adam_int8_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grad
     float* ms = m_scales[j].data_ptr<float>();
     float* vs = v_scales[j].data_ptr<float>();
     const int64_t n = params[j].numel();
-    const int64_t blocks = (n + block_size - 1) / block_size;
-    at::parallel_for(0, blocks, std::max<int64_t>(1, 32768 / block_size),
-                     [&](int64_t first, int64_t last) {
-      std::vector<float> mbuf(block_size), vbuf(block_size);
-      for (int64_t b = first; b < last; ++b) {
-        const int64_t lo = b * block_size;
-        const int64_t len = std::min(block_size, n - lo);
-        block(p + lo, g + lo, mc + lo, ms + b, vc + lo, vs + b, len, mbuf.data(), vbuf.data(),
-              w1, b2, w2, feps, decay, l2, step_size, bc2_sqrt);
-      }
-    });
+    if (kind == 0) {
+      adam_param_any(Int8Format{}, h, maximize, p, g, mc, ms, vc, vs, n, block_size, per_byte,
+                     step_size, bc2_sqrt);
+    } else if (kind == 1) {
+      adam_param_any(Fp8Format{}, h, maximize, p, g, mc, ms, vc, vs, n, block_size, per_byte,
+                     step_size, bc2_sqrt);
+    } else {
+      adam_param_any(int4, h, maximize, p, g, mc, ms, vc, vs, n, block_size, per_byte,
+                     step_size, bc2_sqrt);
+    }
     steps[j].fill_(t);
   }
 }
@@ -241,13 +330,17 @@ def extension() -> Any | None:
         return load_inline(  # type: ignore[no-untyped-call]
             f"functional_optim_lowbit_{capability.lower()}",
             cpp_sources=[_SOURCE],
-            functions=["adam_int8_fits", "adam_int8_step"],
+            functions=["adam_lowbit_fits", "adam_lowbit_step"],
             extra_cflags=_FLAGS + isa,
             verbose=False,
         )
     except Exception as error:  # no compiler, no ninja, a read-only cache: the torch ops
         _LOG.warning("the one-pass low-bit Adam step is not available (%s); using torch ops", error)
         return None
+
+
+#: the kinds the C++ step takes, and their number there
+KINDS = {"int8": 0, "fp8": 1, "int4": 2}
 
 
 def step(
@@ -257,14 +350,27 @@ def step(
     decoupled: bool,
     block_size: int,
     kind: str,
+    int4_maps: Sequence[Tensor] = (),
 ) -> bool:
     """Run the C++ step for an Adam kernel's ``args`` with ``moments`` (``[m_codes, m_scales,
     v_codes, v_scales]`` lists): checks every tensor first and returns False, with nothing
-    changed, where one does not fit (not a contiguous fp32 CPU tensor, or the wrong size)."""
+    changed, where one does not fit (not a contiguous fp32 CPU tensor, or the wrong size).
+
+    Args:
+        module: the extension.
+        args: the replaced kernel's arguments.
+        moments: the codes and scales lists.
+        decoupled: AdamW's weight decay.
+        block_size: elements per block.
+        kind: a key of :data:`KINDS`.
+        int4_maps: for ``"int4"``, the value table, cell codes and cell midpoints of the first
+            moment's map, then of the second's.
+    """
     params, grads, _, _, _, steps, _, b1, b2, lr, wd, eps, maximize = args[:13]
     lists = [list(params), list(grads), *map(list, moments), list(steps)]
-    if not module.adam_int8_fits(*lists, block_size):
+    per_byte = 2 if kind == "int4" else 1
+    if not module.adam_lowbit_fits(*lists, block_size, per_byte):
         return False
     hyper = (float(lr), float(b1), float(b2), float(eps), float(wd), decoupled, bool(maximize))
-    module.adam_int8_step(*lists, *hyper, block_size, kind == "fp8")
+    module.adam_lowbit_step(*lists, *hyper, block_size, KINDS[kind], list(int4_maps))
     return True

@@ -1,4 +1,4 @@
-"""The one-pass step of ``"int8"`` and ``"fp8"`` Adam / AdamW moments on CPU (:mod:`.fused_cpu`).
+"""The one-pass step of Adam / AdamW with low-bit moments on CPU (:mod:`.fused_cpu`).
 
 The inner transform's own ``step`` runs once over every quantised param, with param-shaped
 stand-ins for its moments; its kernel call (:mod:`functional_optim._kernel_runner`) reaches
@@ -21,6 +21,7 @@ from torch import Tensor
 from functional_optim._kernel_runner import Role, running_with
 from functional_optim._lowbit import fused_cpu
 from functional_optim._lowbit.adam_maths import decoupled, replaced_kernel
+from functional_optim._lowbit.codes import CodeMap
 from functional_optim._lowbit.layout import GroupLayout
 
 __all__ = ["fused_step"]
@@ -36,15 +37,21 @@ class _Fused:
     """A kernel runner: the Adam kernel's call runs the C++ step on the codes and scales."""
 
     def __init__(
-        self, module: Any, moments: list[list[Tensor]], block_size: int, kind: str
+        self,
+        module: Any,
+        moments: list[list[Tensor]],
+        block_size: int,
+        kind: str,
+        int4_maps: list[Tensor],
     ) -> None:
         self.module, self.moments, self.bs, self.kind = module, moments, block_size, kind
+        self.int4_maps = int4_maps
 
     def __call__(self, kernel: Callable[..., None], args: list[Any], roles: Sequence[Role]) -> None:
         if not replaced_kernel(kernel, args):
             raise _NotFusedError
-        ok = fused_cpu.step(self.module, args, self.moments, decoupled(kernel), self.bs, self.kind)
-        if not ok:
+        moments, bs, kind, maps = self.moments, self.bs, self.kind, self.int4_maps
+        if not fused_cpu.step(self.module, args, moments, decoupled(kernel), bs, kind, maps):
             raise _NotFusedError
 
 
@@ -57,6 +64,7 @@ def fused_step(
     second: Sequence[bool],
     block_size: int,
     kind: str,
+    cmaps: Sequence[CodeMap],
 ) -> bool:
     """Step the quantised params ``js`` in one pass; False (nothing changed) where
     :mod:`this module <.fused_step>` does not apply.
@@ -70,7 +78,8 @@ def fused_step(
             the layout), in ``run.moment_refs`` order.
         second: whether each moment is a second moment (non-negative).
         block_size: elements per block.
-        kind: ``"int8"`` or ``"fp8"``.
+        kind: a kind the C++ step takes (:data:`.fused_cpu.KINDS`).
+        cmaps: each moment's code map.
     """
     params = [run.params[j] for j in js]
     if (
@@ -95,9 +104,10 @@ def fused_step(
         return False
     m, v = (1, 0) if second[0] else (0, 1)
     order = [lists[m][0], lists[m][1], lists[v][0], lists[v][1]]
+    maps = [t for k in (m, v) for t in (cmaps[k].table, cmaps[k].base, cmaps[k].split)]
     stand_ins = [_stand_in(p) for p in params]
     try:
-        with running_with(_Fused(module, order, block_size, kind)):
+        with running_with(_Fused(module, order, block_size, kind, maps if kind == "int4" else [])):
             run.call(js, params, [grads[j] for j in js], [stand_ins] * len(moments), set())
     except _NotFusedError:
         return False

@@ -29,7 +29,7 @@ from functional_optim._tree import NAMESPACE, NONE_IS_LEAF, TreeSpec, tree_flatt
 __all__ = ["ONE_PASS_KINDS", "check_grads", "moment_refs", "quantized_step"]
 
 #: the kinds whose Adam / AdamW step on CPU is one C++ pass (:mod:`.fused_step`)
-ONE_PASS_KINDS = ("int8", "fp8")
+ONE_PASS_KINDS = ("int8", "fp8", "int4")
 
 #: the compiled codec takes batches this many times larger (fewer calls: each costs ~0.2 ms)
 COMPILED_BATCH_FACTOR = 4
@@ -204,7 +204,7 @@ def quantized_step(spec: Any, params: Any, grads: Any, state: Any) -> Any:
     fused = False
     if spec.kind in ONE_PASS_KINDS and spec.compile is not False:
         second = [r.key in NON_NEGATIVE for r in run.moment_refs]
-        fused = fused_step(run, quantised, g_leaves, layout, checked, second, bs, spec.kind)
+        fused = fused_step(run, quantised, g_leaves, layout, checked, second, bs, spec.kind, cmaps)
     if not fused:
         for k, cmap in enumerate(cmaps):
             runs = [blockwise.code_bytes(layout.region[j][1], cmap) for j in range(len(leaves))]
@@ -216,7 +216,7 @@ def quantized_step(spec: Any, params: Any, grads: Any, state: Any) -> Any:
             )
             codes_flat.append(cf)
             scales_flat.append(sf)
-        # int8 / fp8 Adam on CPU: the C++ step's maths on every path (see .adam_maths)
+        # low-bit Adam on CPU: the C++ step's maths on every path (see .adam_maths)
         same_maths = spec.kind in ONE_PASS_KINDS and device.type == "cpu"
         with running_with(EagerAdam()) if same_maths else contextlib.nullcontext():
             flat = (codes, scales, codes_flat, scales_flat)

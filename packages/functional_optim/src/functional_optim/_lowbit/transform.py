@@ -291,10 +291,10 @@ def quantized_state(
         min_size: params with fewer elements (the whole parameter's count) keep fp32 state.
         compile: run the blockwise codec through ``torch.compile`` (same bits, several times
             faster, a few seconds of compilation on the first step); None: for groups of at
-            least 1M quantised elements where inductor can build kernels. With ``"int8"`` or
-            ``"fp8"`` and Adam or AdamW on fp32 CPU params, None also runs the one-pass C++
-            step (same bits; built on first use, about 30 s, with the ``[cpu-kernels]``
-            extra's ninja); False runs torch ops only.
+            least 1M quantised elements where inductor can build kernels. With Adam or AdamW
+            on fp32 CPU params, None also runs the one-pass C++ step (same bits; built on
+            first use, about 30 s, with the ``[cpu-kernels]`` extra's ninja); False runs torch
+            ops only.
 
     Returns:
         A transform whose state is ``(inner state, Quantized_<key>(...), ...)``; in
