@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -32,7 +32,16 @@ from torch import Tensor
 from functional_optim import kernels
 from functional_optim._kernel_runner import Role
 
-__all__ = ["AdamCall", "EagerAdam", "adam_call", "adam_lists", "decoupled", "replaced_kernel"]
+__all__ = [
+    "AdamArgs",
+    "AdamCall",
+    "EagerAdam",
+    "adam_args",
+    "adam_call",
+    "adam_lists",
+    "decoupled",
+    "replaced_kernel",
+]
 
 #: the kernels replaced, and whether their weight decay is decoupled (AdamW)
 _KERNELS: dict[Callable[..., None], bool] = {kernels.adam: False, kernels.adamw: True}
@@ -61,10 +70,36 @@ class AdamCall:
     hyper: Hyper
 
 
+class AdamArgs(NamedTuple):
+    """The arguments of an Adam / AdamW kernel call, by name (the kernels' order)."""
+
+    params: Sequence[Tensor]
+    grads: Sequence[Tensor]
+    exp_avgs: Sequence[Tensor]
+    exp_avg_sqs: Sequence[Tensor]
+    max_exp_avg_sqs: Sequence[Tensor]
+    state_steps: Sequence[Tensor]
+    amsgrad: bool
+    beta1: Any
+    beta2: Any
+    lr: Any
+    weight_decay: Any
+    eps: Any
+    maximize: bool
+
+
+def adam_args(args: Sequence[Any]) -> AdamArgs:
+    """``args`` of a replaced kernel's call, named (its trailing ``impl`` left out)."""
+    return AdamArgs(*args[: len(AdamArgs._fields)])
+
+
 def replaced_kernel(kernel: Callable[..., None], args: Sequence[Any]) -> bool:
     """Whether ``kernel(*args)`` is an Adam call these maths replace: Adam or AdamW without
     AMSGrad, on fp32 params."""
-    return kernel in _KERNELS and not args[6] and all(p.dtype == torch.float32 for p in args[0])
+    if kernel not in _KERNELS:
+        return False
+    named = adam_args(args)
+    return not named.amsgrad and all(p.dtype == torch.float32 for p in named.params)
 
 
 def decoupled(kernel: Callable[..., None]) -> bool:
@@ -77,10 +112,13 @@ def adam_call(kernel: Callable[..., None], args: Sequence[Any]) -> AdamCall | No
     changed) where :func:`replaced_kernel` is false."""
     if not replaced_kernel(kernel, args):
         return None
-    params, grads, exp_avgs, exp_avg_sqs, _, steps, _, b1, b2, lr, wd, eps, maximize = args[:13]
-    b1, b2, lr, wd, eps = map(float, (b1, b2, lr, wd, eps))
+    named = adam_args(args)
+    params, grads, steps, maximize = named.params, named.grads, named.state_steps, named.maximize
+    b1, b2, lr, wd, eps = map(
+        float, (named.beta1, named.beta2, named.lr, named.weight_decay, named.eps)
+    )
     if steps:
-        torch._foreach_add_(steps, 1.0)
+        torch._foreach_add_(list(steps), 1.0)
     corrections: dict[float, tuple[float, float]] = {}
     step_sizes, bc2_sqrts = [], []
     for count in steps:
@@ -92,9 +130,8 @@ def adam_call(kernel: Callable[..., None], args: Sequence[Any]) -> AdamCall | No
         bc2_sqrts.append(bc2_sqrt)
     decay, l2 = (1 - lr * wd, 0.0) if _KERNELS[kernel] else (1.0, wd)
     hyper = (b1, b2, eps, decay, l2, bool(maximize))
-    return AdamCall(
-        list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), step_sizes, bc2_sqrts, hyper
-    )
+    moments = list(named.exp_avgs), list(named.exp_avg_sqs)
+    return AdamCall(list(params), list(grads), *moments, step_sizes, bc2_sqrts, hyper)
 
 
 def adam_lists(call: AdamCall) -> None:

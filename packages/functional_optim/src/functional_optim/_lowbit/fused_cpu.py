@@ -23,6 +23,8 @@ from typing import Any
 
 from torch import Tensor
 
+from functional_optim._lowbit.adam_maths import adam_args
+
 __all__ = ["KINDS", "extension", "step"]
 
 _LOG = logging.getLogger(__name__)
@@ -366,11 +368,12 @@ def step(
         int4_maps: for ``"int4"``, the value table, cell codes and cell midpoints of the first
             moment's map, then of the second's.
     """
-    params, grads, _, _, _, steps, _, b1, b2, lr, wd, eps, maximize = args[:13]
-    lists = [list(params), list(grads), *map(list, moments), list(steps)]
+    a = adam_args(args)
+    lists = [list(a.params), list(a.grads), *map(list, moments), list(a.state_steps)]
     per_byte = 2 if kind == "int4" else 1
     if not module.adam_lowbit_fits(*lists, block_size, per_byte):
         return False
-    hyper = (float(lr), float(b1), float(b2), float(eps), float(wd), decoupled, bool(maximize))
+    scalars = (a.lr, a.beta1, a.beta2, a.eps, a.weight_decay)
+    hyper = (*map(float, scalars), decoupled, bool(a.maximize))
     module.adam_lowbit_step(*lists, *hyper, block_size, KINDS[kind], list(int4_maps))
     return True

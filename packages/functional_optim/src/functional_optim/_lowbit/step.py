@@ -175,8 +175,7 @@ def quantized_step(spec: Any, params: Any, grads: Any, state: Any) -> Any:
     codecs = [spec.codec(cmap, batch if compiled else 0) for cmap in cmaps]
     device = leaves[0].device if leaves else torch.device("cpu")
     checked = []
-    for m, ref in zip(moments, run.moment_refs, strict=True):
-        k = run.moment_refs.index(ref)
+    for k, (m, ref) in enumerate(zip(moments, run.moment_refs, strict=True)):
         c_leaves, s_leaves, run.fp32[k] = spec.check_fit(
             ref, leaves, quant, layout, up_to(tree, m[0]), up_to(tree, m[1]), run.fp32[k]
         )
