@@ -30,15 +30,18 @@ torch.backends.cudnn.allow_tf32 = False
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Build the C++ step of 8-bit Adam once, before any test spawns ranks that would wait on
-    one another's build (about 30 s on a fresh machine; cached by torch afterwards)."""
+    """Build the C++ kernels (the low-bit Adam step, ``pure_step``'s out-of-place kernels) once,
+    before any test spawns ranks that would wait on one another's build (about 30 s each on a
+    fresh machine; cached by torch afterwards)."""
     try:
         import ninja  # noqa: F401
     except ImportError:
         return
     from functional_optim._lowbit import fused_cpu
+    from functional_optim._out_of_place import cpu_extension
 
     fused_cpu.extension()
+    cpu_extension.extension()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -7,10 +7,12 @@ Nothing in it knows an algorithm: it only reads the roles.
 
 * The lists the kernel writes (params and moments, role ``"write"``) get new tensors that are
   views into a flat buffer per list (:mod:`functional_optim._flat_buffers`, which recycles them
-  across steps). The kernel runs a chunk of leaves at a time, about ``chunk_bytes`` of params
-  each: the chunk's old values are copied into the new buffers, then the kernel runs on them
-  while they are still in cache. In a loop the old values are views of the step's own last
-  buffers, so each copy is one slice copy per buffer.
+  across steps). A kernel with an out-of-place version
+  (:func:`functional_optim._out_of_place.for_kernel`) that accepts the call reads the old lists
+  and writes the new ones in one pass. Otherwise the kernel runs a chunk of leaves at a time,
+  about ``chunk_bytes`` of params each: the chunk's old values are copied into the new buffers,
+  then the kernel runs on them while they are still in cache. In a loop the old values are
+  views of the step's own last buffers, so each copy is one slice copy per buffer.
 * Step counters (``"count"``) get copies (one op when they are one block's views,
   :mod:`functional_optim._counts`).
 * Anything flat buffers cannot hold (a list with a buffer not yet made, non-strided tensors,
@@ -18,7 +20,8 @@ Nothing in it knows an algorithm: it only reads the roles.
   shapes: role ``"other"``) gets clones, and the kernel runs once on the whole call.
 
 The kernel is the one ``tx.step`` runs, on the same values, so the result equals ``tx.step`` on
-copies bitwise (element-wise kernels do not depend on how the leaves are chunked).
+copies bitwise (element-wise kernels do not depend on how the leaves are chunked; an
+out-of-place version is used only where it gives the kernel's bits).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from torch import Tensor
 from functional_optim._counts import copied_counts
 from functional_optim._flat_buffers import Generation, Layout, Pool
 from functional_optim._kernel_runner import Role
+from functional_optim._out_of_place import OutOfPlace, for_kernel
 
 __all__ = ["MAX_LAYOUTS", "FlatRunner", "clone"]
 
@@ -164,7 +168,9 @@ class FlatRunner:
         if flat and all(roles[i] != "other" for i in written):
             found = self._pool([args[i] for i in flat])
         if found is not None:
-            self._chunked(kernel, args, roles, flat, *found)
+            fast = for_kernel(kernel)
+            if fast is None or not self._out_of_place(fast, args, flat, *found):
+                self._chunked(kernel, args, roles, flat, *found)
             return
         for i in written:
             if roles[i] != "count" or not all(isinstance(c, Tensor) for c in args[i]):
@@ -172,6 +178,28 @@ class FlatRunner:
                 self._record(args[i], copies)
                 args[i][:] = copies
         kernel(*args)
+
+    def _out_of_place(
+        self,
+        fast: OutOfPlace,
+        args: list[Any],
+        flat: list[int],
+        pool: Pool,
+        source: Generation | None,
+    ) -> bool:
+        """Run the kernel's out-of-place version into a new generation, in one pass (no
+        copies); False, with nothing written, where it declines."""
+        views = pool.acquire(avoid=source).views
+        new = list(args)
+        old: list[list[Any] | None] = [None] * len(args)
+        for i, kind in zip(flat, views, strict=True):
+            new[i], old[i] = kind, args[i]
+        if not fast(new, old):
+            return False
+        for i, kind in zip(flat, views, strict=True):
+            self._record(args[i], kind)
+            args[i][:] = kind
+        return True
 
     def _chunked(
         self,

@@ -1,12 +1,13 @@
 """``pure_step``: one step that returns new params and a new state, mutating nothing.
 
 This is the function JAX users put under ``jit``: ``updates, state = tx.update(grads, state,
-params)`` then ``params = apply_updates(params, updates)``, fused into one call. Eager torch has
-no kernel that reads the old buffers and writes new ones in one pass, so the step runs the
-transform's own in-place ``tx.step``, whose kernel call goes to a runner that hands the kernel
-new buffers to write (:mod:`functional_optim._pure_flat`): the old values are copied in a chunk
-of leaves at a time and the kernel runs on each chunk while it is in cache. One mechanism for
-every algorithm; nothing in it knows one.
+params)`` then ``params = apply_updates(params, updates)``, fused into one call. The step runs
+the transform's own in-place ``tx.step``, whose kernel call goes to a runner that hands the
+kernel new buffers to write (:mod:`functional_optim._pure_flat`). Where the kernel has an
+out-of-place version (:mod:`functional_optim._out_of_place`: torch's fused Adam, AdamW and SGD
+on fp32 CPU params) that reads the old buffers and writes the new ones in one pass; otherwise
+the old values are copied in a chunk of leaves at a time and the kernel runs on each chunk
+while it is in cache. One mechanism for every algorithm; nothing in it knows one.
 
 Which transforms take this path: those whose ``step`` ends in one list kernel call,
 

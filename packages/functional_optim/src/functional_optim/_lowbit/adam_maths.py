@@ -24,19 +24,18 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from functional_optim import kernels
+from functional_optim._kernel_args import adam_args
 from functional_optim._kernel_runner import Role
 
 __all__ = [
-    "AdamArgs",
     "AdamCall",
     "EagerAdam",
-    "adam_args",
     "adam_call",
     "adam_lists",
     "decoupled",
@@ -68,29 +67,6 @@ class AdamCall:
     step_sizes: list[float]
     bc2_sqrts: list[float]
     hyper: Hyper
-
-
-class AdamArgs(NamedTuple):
-    """The arguments of an Adam / AdamW kernel call, by name (the kernels' order)."""
-
-    params: Sequence[Tensor]
-    grads: Sequence[Tensor]
-    exp_avgs: Sequence[Tensor]
-    exp_avg_sqs: Sequence[Tensor]
-    max_exp_avg_sqs: Sequence[Tensor]
-    state_steps: Sequence[Tensor]
-    amsgrad: bool
-    beta1: Any
-    beta2: Any
-    lr: Any
-    weight_decay: Any
-    eps: Any
-    maximize: bool
-
-
-def adam_args(args: Sequence[Any]) -> AdamArgs:
-    """``args`` of a replaced kernel's call, named (its trailing ``impl`` left out)."""
-    return AdamArgs(*args[: len(AdamArgs._fields)])
 
 
 def replaced_kernel(kernel: Callable[..., None], args: Sequence[Any]) -> bool:

@@ -16,18 +16,16 @@ built, and the step takes the torch-op path instead: the same bits, several time
 from __future__ import annotations
 
 import functools
-import logging
 import platform
 from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor
 
-from functional_optim._lowbit.adam_maths import adam_args
+from functional_optim._cpp_extension import ISA_FLAGS, load
+from functional_optim._kernel_args import adam_args
 
 __all__ = ["KINDS", "extension", "step"]
-
-_LOG = logging.getLogger(__name__)
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -311,34 +309,17 @@ void adam_lowbit_step(std::vector<at::Tensor> params, std::vector<at::Tensor> gr
 }
 """
 
-_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
-#: instruction sets by torch's CPU capability: not -march=native, so that a build cached in a
-#: home directory shared by several machines runs on each machine of that capability
-_ISA = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
-    "AVX2": ["-mavx2", "-mfma"],
-}
-
 
 @functools.cache
 def extension() -> Any | None:
     """The built extension module, or None where it cannot be built (logged once)."""
-    try:
-        import torch
-        from torch.utils.cpp_extension import load_inline
+    import torch
 
-        capability = torch.backends.cpu.get_cpu_capability()
-        isa = _ISA.get(capability, []) if platform.machine() in ("x86_64", "AMD64") else []
-        return load_inline(  # type: ignore[no-untyped-call]
-            f"functional_optim_lowbit_{capability.lower()}",
-            cpp_sources=[_SOURCE],
-            functions=["adam_lowbit_fits", "adam_lowbit_step"],
-            extra_cflags=_FLAGS + isa,
-            verbose=False,
-        )
-    except Exception as error:  # no compiler, no ninja, a read-only cache: the torch ops
-        _LOG.warning("the one-pass low-bit Adam step is not available (%s); using torch ops", error)
-        return None
+    capability = torch.backends.cpu.get_cpu_capability()
+    on_x86 = platform.machine() in ("x86_64", "AMD64")
+    isa = ISA_FLAGS.get(capability, []) if on_x86 else []
+    name = f"functional_optim_lowbit_{capability.lower()}"
+    return load(name, _SOURCE, ["adam_lowbit_fits", "adam_lowbit_step"], isa)
 
 
 #: the kinds the C++ step takes, and their number there
