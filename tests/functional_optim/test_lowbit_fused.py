@@ -42,9 +42,10 @@ def _train(
     dtype: torch.dtype = torch.float32,
     steps: int = 4,
     grad_view: Callable[[torch.Tensor], torch.Tensor] = lambda g: g,
+    shapes: list[tuple[int, ...]] = SHAPES,
 ) -> tuple[list[torch.Tensor], dict[str, Any]]:
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
     opt = fo.Optimizer(params, make(compile))
     for step in range(steps):
         gen = torch.Generator().manual_seed(100 + step)
@@ -114,6 +115,27 @@ def test_cpp_step_is_bitwise_the_torch_op_path(name: str, cpp_calls: list[bool])
     assert all(cpp_calls)
     assert _same(got, _train(lambda _: torch_ops(), None))
     assert not _same(got, _train(lambda _: torch_ops(), None, steps=3))  # the check can fail
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_cpp_step_gives_the_same_bits_on_one_and_two_threads(
+    kind: str, cpp_calls: list[bool]
+) -> None:
+    """The C++ step splits a param's blocks between torch's threads (512 blocks of 64 or more
+    per thread); the blocks are independent, so the thread count changes nothing."""
+    shapes = [*SHAPES, (300, 300)]
+    make = _lowbit(lambda: fo.adamw(lr=1e-2, weight_decay=0.1), kind)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _train(make, None, shapes=shapes)
+        torch.set_num_threads(2)
+        two = _train(make, None, shapes=shapes)
+    finally:
+        torch.set_num_threads(threads)
+    assert cpp_calls
+    assert all(cpp_calls)
+    assert _same(one, two)
 
 
 @pytest.mark.parametrize(

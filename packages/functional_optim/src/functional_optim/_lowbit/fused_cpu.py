@@ -319,7 +319,7 @@ def extension() -> Any | None:
     on_x86 = platform.machine() in ("x86_64", "AMD64")
     isa = ISA_FLAGS.get(capability, []) if on_x86 else []
     name = f"functional_optim_lowbit_{capability.lower()}"
-    return load(name, _SOURCE, ["adam_lowbit_fits", "adam_lowbit_step"], isa)
+    return load(name, _SOURCE, ["adam_lowbit_fits", "adam_lowbit_step"], isa, threads=True)
 
 
 #: the kinds the C++ step takes, and their number there
