@@ -11,8 +11,12 @@ import torch
 from torch import Tensor
 
 import functional_optim as fo
+from functional_optim import _tail_kernels as tail_kernels
 from functional_optim._fusion import plan_tail
+from functional_optim._input_checks import GradRules
+from functional_optim._kernel_runner import run_kernel
 from functional_optim._lists import LeafView
+from functional_optim._tail_kernels import FusedTail, TailCall
 from functional_optim._tree import tree_leaves
 
 from ._parity import assert_tensors_equal, clone_tensors, make_grads, make_params
@@ -544,3 +548,40 @@ def test_fused_lion_chain_bitwise_equal_to_foreach_reference() -> None:
         torch._foreach_lerp_(mu, row, 1 - 0.99)
     assert_tensors_equal(ours, theirs)
     assert_tensors_equal(tree_leaves(state[0].mu), mu)
+
+
+def test_a_scaling_transform_declares_its_fused_tail() -> None:
+    """A transform outside the package joins the fused tails by declaring one
+    (``ListTransform.tail``): the chain step runs its kernel (with a masked decay and a
+    learning rate read by ``_fusion``), ``pure_step`` runs it on copies, and the numbers are
+    the pure path's."""
+    calls: list[int] = []
+
+    def run(call: TailCall) -> None:
+        calls.append(len(call.updates))
+        direction = list(torch._foreach_sign(call.updates))
+        args = [list(call.view.params), direction, call.decays(), call.lr, call.weight_decay]
+        run_kernel(tail_kernels.lr_only, args, tail_kernels.LR_ROLES)
+
+    base = fo.scale_by_sign()
+    assert base.lists is not None
+    tail = FusedTail("sign", GradRules("Sign"), lambda hyper: [], (), run)
+    signed = base._replace(lists=base.lists._replace(tail=tail))
+    decay = fo.masked(fo.add_decayed_weights(WD), is_matrix)
+    tx = fo.chain(signed, decay, fo.scale_by_learning_rate(LR))
+    assert tx.lists is not None
+    assert plan_tail(tx.lists.hyper["transforms"]).rule == "sign"
+    params = make_params()
+    grads = make_grads(params, 3)
+    p_step, state = clone_tensors(params), tx.init(params)
+    p_pure, pure_state = clone_tensors(params), tx.init(params)
+    step = fo.pure_step(tx)
+    p_fn, fn_state = clone_tensors(params), tx.init(params)
+    for row in grads:
+        state = tx.step(p_step, clone_tensors(row), state)
+        updates, pure_state = tx.update(row, pure_state, p_pure)
+        p_pure = fo.apply_updates(p_pure, updates)
+        p_fn, fn_state = step(p_fn, row, fn_state)
+    assert len(calls) == 2 * len(grads)  # tx.step and pure_step, every step
+    assert_tensors_equal(p_step, p_pure, *TOL[torch.float32])
+    assert_tensors_equal(p_fn, p_step)

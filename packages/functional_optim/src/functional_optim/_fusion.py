@@ -11,16 +11,13 @@
      the earlier components run over the lists, then that ``step`` gets their output as its
      gradients, so ``chain(clip_by_global_norm(c), adamw(...))`` is torch's
      ``clip_grad_norm_`` followed by ``AdamW(fused=True)``, bitwise;
-   * ``scale_by_adam, [add_decayed_weights(wd)], scale(-lr)`` (or
-     ``scale_by_learning_rate(lr)``, schedules included): ``kernels.adamw`` (``kernels.adam``
-     without the decay), the fused kernel where torch has one;
-   * ``scale_by_lion, [add_decayed_weights(wd)], scale(-lr)``: Lion in the ``lerp`` form
-     (``m + (1 - b) * (g - m)`` for optax's ``(1 - b) * g + b * m``, one rounding apart), five
-     ``_foreach`` calls;
-   * ``scale_by_rms, [add_decayed_weights(wd)], scale(-lr)``: torch's foreach RMSprop
-     (``p.addcdiv_(g, sqrt(v) + eps, value=-lr)``, the division and the step in one call);
-   * ``scale_by_adamax, [add_decayed_weights(wd)], scale(-lr)``: torch's foreach Adamax
-     (``p.addcdiv_(m, u, value=-lr / (1 - b1**t))``);
+   * ``<scaling>, [add_decayed_weights(wd)], scale(-lr)`` (or ``scale_by_learning_rate(lr)``,
+     schedules included), where the scaling transform declares a fused tail
+     (``ListTransform.tail``, :mod:`functional_optim._tail_kernels`): that tail's kernel.
+     ``scale_by_adam`` declares ``kernels.adamw`` (``kernels.adam`` without the decay, torch's
+     fused kernel where it has one), ``scale_by_lion`` Lion in the ``lerp`` form,
+     ``scale_by_rms`` torch's foreach RMSprop and ``scale_by_adamax`` torch's foreach Adamax;
+     this module reads nothing else of them;
    * ``[add_decayed_weights(wd)], scale(-lr)``: ``p.mul_(1 - lr * wd)`` then
      ``p.add_(u, alpha=-lr)``, one ``_foreach`` call each;
    * in all of these, ``masked(add_decayed_weights(wd), mask)`` may stand for the decay: the
@@ -31,9 +28,9 @@
 
 Before anything runs, every step checks its inputs (:func:`check_tail`, through
 :data:`functional_optim._step_checks.CHECKER`): gradients shaped like their params on
-their devices (no meta tensors) and, for a tail rule with a kernel, the state lists that
-kernel reads (:func:`check_tail`), with torch's errors for what it does not take (sparse
-gradients, other dtypes). A tail that is an alias's own ``step`` checks its state itself;
+their devices (no meta tensors) and, for a declared tail, the state lists its kernel reads,
+with torch's errors for what it does not take (sparse gradients, other dtypes; both from the
+declaration). A tail that is an alias's own ``step`` checks its state itself;
 the head's list maths are ``torch._foreach_*`` ops, which raise on a size mismatch.
 
 Numbers: the list maths equal ``update(inplace=True)`` bitwise; a fused tail computes the same
@@ -48,21 +45,21 @@ The step consumes ``grads``: a component that rescales them (``clip_by_global_no
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from functional_optim import _tail_kernels as tail_kernels
-from functional_optim import kernels
 from functional_optim._fn_types import OptState, StepFn
-from functional_optim._kernel_runner import Role, run_kernel
+from functional_optim._kernel_runner import run_kernel
 from functional_optim._lists import LeafView, ListTransform
 from functional_optim._step_checks import CHECKER, Buffer, GradRules
+from functional_optim._tail_kernels import FusedTail, TailCall
 from functional_optim._tree import PyTree
 
-__all__ = ["ADAM_SPARSE", "chain_step", "check_tail", "plan_tail", "view_step"]
+__all__ = ["chain_step", "check_tail", "plan_tail", "view_step"]
 
 Tail = Callable[[PyTree, LeafView, list[Tensor], list[Any]], None]
 ViewStep = Callable[[PyTree, LeafView, Any], Any]
@@ -81,11 +78,13 @@ def view_step(step: Callable[..., Any] | None) -> ViewStep | None:
 
 
 class _Plan(NamedTuple):
-    """Component positions run as lists, then the tail rule over the rest."""
+    """Component positions run as lists, then the tail rule over the rest (``fused``: the
+    tail's kernel, for the rules that run one)."""
 
     head: list[int]
     tail: list[int]
     rule: str
+    fused: FusedTail | None = None
 
 
 def _lists(tx: Any) -> ListTransform:
@@ -134,72 +133,48 @@ def _decay_split(
     return wd, decayed, [j for j in range(len(view.idx)) if j not in chosen]
 
 
-#: The list transform whose maths a tail rule runs itself, by rule.
-_KERNEL_RULES = {
-    "scale_by_adam": "adam",
-    "scale_by_lion": "lion",
-    "scale_by_rms": "rms",
-    "scale_by_adamax": "adamax",
-}
-
-#: torch.optim.Adam's message for a sparse gradient (AdamW, its subclass, shares it).
-ADAM_SPARSE = "Adam does not support sparse gradients, please consider SparseAdam instead"
-
-#: What each tail rule's kernel takes: the name in messages, no sparse gradients; the
-#: ``_foreach`` RMSprop tail promotes other dtypes as torch's RMSprop does.
-_TAIL_RULES = {
-    "adam": GradRules("Adam", sparse_message=ADAM_SPARSE),
-    "lion": GradRules("Lion"),
-    "rms": GradRules("RMSprop", promotes=True),
-    "adamax": GradRules("Adamax"),
-}
 #: Any other chain: gradients shaped like their params, on their devices; the list maths
 #: take sparse gradients or other dtypes where their ``_foreach`` ops do.
 _CHAIN_RULES = GradRules("chain", sparse="accept", promotes=True)
 
 
-def _tail_buffers(rule: str, lists: ListTransform, state: Any, view: LeafView) -> list[Buffer]:
-    """The state lists a tail rule's kernel reads, by torch's names."""
-    hyper = lists.hyper
-    if rule == "adam":
-        buffers = [("exp_avg", state.mu), ("exp_avg_sq", state.nu)]
-        if hyper["amsgrad"]:
-            buffers.append(("max_exp_avg_sq", state.nu_max))
-    elif rule == "lion":
-        buffers = [("exp_avg", state.mu)]
-    elif rule == "rms":
-        buffers = [("square_avg", state.nu)]
-        if hyper["centered"]:
-            buffers.append(("grad_avg", state.mu))
-    else:  # adamax
-        buffers = [("exp_avg", state.mu), ("exp_inf", state.nu)]
-    out: list[Buffer] = [(name, "param", view.gather(tree)) for name, tree in buffers]
-    out.append(("step", "scalar", view.gather(state.count)))
-    return out
+def _run_lr(call: TailCall) -> None:
+    args = [list(call.view.params), call.updates, call.decays(), call.lr, call.weight_decay]
+    run_kernel(tail_kernels.lr_only, args, tail_kernels.LR_ROLES)
+
+
+#: ``[add_decayed_weights(wd)], <learning rate>`` after any head: the chain's own tail.
+_LR_TAIL = FusedTail("lr", _CHAIN_RULES, lambda hyper: [], (), _run_lr)
 
 
 def check_tail(
-    rule: str, lists: ListTransform | None, state: Any, view: LeafView, grads: list[Tensor]
+    fused: FusedTail | None,
+    hyper: Mapping[str, Any],
+    state: Any,
+    view: LeafView,
+    grads: list[Tensor],
 ) -> None:
-    """Check a step's gradients and the state its tail rule's kernel reads, before anything
-    is written (see :func:`functional_optim._step_checks.check_step`).
+    """Check a step's gradients and the state its tail's kernel reads, before anything is
+    written (see :func:`functional_optim._step_checks.check_step`).
 
     Args:
-        rule: the plan's tail rule (``"adam"``, ...; any other: gradients only).
-        lists: the tail's first list transform (the one whose state the kernel reads).
-        state: that transform's state.
+        fused: the plan's tail kernel (None: the gradients only, with the chain's rules).
+        hyper: the hyperparameters of the tail's first component (whose state it reads).
+        state: that component's state.
         view: the step's leaf view.
         grads: the gradients at the view's positions.
 
     Raises:
         RuntimeError: torch's errors (see :func:`functional_optim._step_checks.check_step`).
     """
-    if rule in _TAIL_RULES:
-        assert lists is not None
-        buffers = _tail_buffers(rule, lists, state, view)
-        CHECKER(_TAIL_RULES[rule], view.params, grads, buffers)
-    else:
+    if fused is None:
         CHECKER(_CHAIN_RULES, view.params, grads)
+        return
+    names = fused.buffers(hyper)
+    buffers: list[Buffer] = [(n, "param", view.gather(getattr(state, f))) for n, f in names]
+    if "count" in fused.written:
+        buffers.append(("step", "scalar", view.gather(state.count)))
+    CHECKER(fused.rules, view.params, grads, buffers)
 
 
 def plan_tail(transforms: Sequence[Any]) -> _Plan:
@@ -212,11 +187,11 @@ def plan_tail(transforms: Sequence[Any]) -> _Plan:
         before = live[:-1]
         wd = bool(before) and _decay(_lists(transforms[before[-1]])) is not None
         core = before[:-1] if wd else before
-        kernel = _lists(transforms[core[-1]]).key if core else ""
-        if kernel in _KERNEL_RULES:
-            rule = _KERNEL_RULES[kernel]
-            return _Plan(core[:-1], [*core[-1:], *before[len(core) :], live[-1]], rule)
-        return _Plan(core, [*before[len(core) :], live[-1]], "lr")
+        fused = _lists(transforms[core[-1]]).tail if core else None
+        if fused is not None:
+            tail = [*core[-1:], *before[len(core) :], live[-1]]
+            return _Plan(core[:-1], tail, fused.name, fused)
+        return _Plan(core, [*before[len(core) :], live[-1]], "lr", _LR_TAIL)
     return _Plan(live, [], "add")
 
 
@@ -230,100 +205,14 @@ def _learning_rate(lists: ListTransform, state: Any) -> float:
     return -float(factor)
 
 
-#: ``kernels.adam(w)``'s arguments: params, grads, mu, nu, nu_max, counts, then scalars.
-_ADAM_ROLES: tuple[Role, ...] = ("write", "read", "write", "write", "write", "count", *[None] * 8)
-
-
-def _adam_kernel(
-    view: LeafView, updates: list[Tensor], hyper: Any, state: Any, lr: float, wd: float
+def _run_tail(
+    plan: _Plan, view: LeafView, updates: list[Tensor], txs: list[ListTransform], states: list[Any]
 ) -> None:
-    if not updates:
-        return
-    amsgrad = bool(hyper["amsgrad"])
-    kernel = kernels.adamw if wd != 0.0 else kernels.adam
-    args = [
-        list(view.params),  # the runner refills its lists with new tensors
-        updates,
-        view.gather(state.mu),
-        view.gather(state.nu),
-        view.gather(state.nu_max) if amsgrad else [],
-        view.gather(state.count),
-        amsgrad,
-        float(hyper["b1"]),
-        float(hyper["b2"]),
-        lr,
-        wd,
-        float(hyper["eps"]),
-        False,
-        "auto",
-    ]
-    run_kernel(kernel, args, _ADAM_ROLES)
-
-
-def _adam_tail(
-    view: LeafView, updates: list[Tensor], txs: list[ListTransform], states: list[Any]
-) -> None:
-    lr = _learning_rate(txs[-1], states[-1])
-    wd, decayed, rest = _decay_split(txs, view)
-    if decayed is None:
-        _adam_kernel(view, updates, txs[0].hyper, states[0], lr, wd)
-        return
-    for positions, decay in ((decayed, wd), (rest, 0.0)):
-        sub = view.subset(positions)
-        _adam_kernel(sub, [updates[j] for j in positions], txs[0].hyper, states[0], lr, decay)
-
-
-def _scalars(view: LeafView, txs: list[ListTransform], states: list[Any]) -> tuple[Any, ...]:
-    """A tail's learning rate, weight decay and per-leaf decay flags."""
+    """The tail's kernel: the learning rate and the decay read here, the rest by the tail."""
+    assert plan.fused is not None
     lr = _learning_rate(txs[-1], states[-1])
     wd, decayed, _ = _decay_split(txs, view)
-    decays = [decayed is None] * len(view.params)  # every step: no Python loop when unmasked
-    for j in decayed or ():
-        decays[j] = True
-    return lr, wd, decays
-
-
-def _lion_tail(
-    view: LeafView, updates: list[Tensor], txs: list[ListTransform], states: list[Any]
-) -> None:
-    hyper, state = txs[0].hyper, states[0]
-    lr, wd, decays = _scalars(view, txs, states)
-    args = [list(view.params), updates, view.gather(state.mu), view.gather(state.count), decays]
-    b1, b2 = float(hyper["b1"]), float(hyper["b2"])
-    run_kernel(tail_kernels.lion, [*args, lr, wd, b1, b2], tail_kernels.LION_ROLES)
-
-
-def _rms_tail(
-    view: LeafView, updates: list[Tensor], txs: list[ListTransform], states: list[Any]
-) -> None:
-    hyper, state = txs[0].hyper, states[0]
-    lr, wd, decays = _scalars(view, txs, states)
-    centered = bool(hyper["centered"])
-    mu = view.gather(state.mu) if centered else []
-    args = [list(view.params), updates, view.gather(state.nu), mu, view.gather(state.count)]
-    alpha, eps = float(hyper["alpha"]), float(hyper["eps"])
-    run_kernel(
-        tail_kernels.rms, [*args, decays, lr, wd, alpha, eps, centered], tail_kernels.RMS_ROLES
-    )
-
-
-def _adamax_tail(
-    view: LeafView, updates: list[Tensor], txs: list[ListTransform], states: list[Any]
-) -> None:
-    hyper, state = txs[0].hyper, states[0]
-    lr, wd, decays = _scalars(view, txs, states)
-    args = [list(view.params), updates, view.gather(state.mu), view.gather(state.nu)]
-    args += [view.gather(state.count), decays, lr, wd]
-    b1, b2, eps = float(hyper["b1"]), float(hyper["b2"]), float(hyper["eps"])
-    run_kernel(tail_kernels.adamax, [*args, b1, b2, eps], tail_kernels.ADAMAX_ROLES)
-
-
-def _lr_tail(
-    view: LeafView, updates: list[Tensor], txs: list[ListTransform], states: list[Any]
-) -> None:
-    lr, wd, decays = _scalars(view, txs, states)
-    args = [list(view.params), updates, decays, lr, wd]
-    run_kernel(tail_kernels.lr_only, args, tail_kernels.LR_ROLES)
+    plan.fused.run(TailCall(view, updates, txs[0].hyper, states[0], lr, wd, decayed))
 
 
 def chain_step(transforms: Sequence[Any]) -> StepFn:
@@ -351,13 +240,8 @@ def chain_step(transforms: Sequence[Any]) -> StepFn:
         new_state = list(state)
         updates = view.grads
         first = plan.tail[0] if plan.tail else None
-        check_tail(
-            plan.rule,
-            None if first is None else tail_lists[0],
-            None if first is None else state[first],
-            view,
-            updates,
-        )
+        hyper = {} if first is None else tail_lists[0].hyper
+        check_tail(plan.fused, hyper, None if first is None else state[first], view, updates)
         with torch.no_grad():
             for i, apply in head:
                 updates, new_state[i] = apply(updates, new_state[i], view)
@@ -369,20 +253,11 @@ def chain_step(transforms: Sequence[Any]) -> StepFn:
                 for i in plan.tail:  # a schedule counts steps, as update() does
                     if _lists(transforms[i]).key == "scale_by_schedule":
                         new_state[i].count.add_(1)
-            else:
+            elif plan.fused is not None:
                 tail_states = [new_state[i] for i in plan.tail]
-                if plan.rule == "adam":
-                    _adam_tail(view, updates, tail_lists, tail_states)
-                elif plan.rule == "lion":
-                    _lion_tail(view, updates, tail_lists, tail_states)
-                elif plan.rule == "rms":
-                    _rms_tail(view, updates, tail_lists, tail_states)
-                elif plan.rule == "adamax":
-                    _adamax_tail(view, updates, tail_lists, tail_states)
-                elif plan.rule == "lr":
-                    _lr_tail(view, updates, tail_lists, tail_states)
-                else:
-                    torch._foreach_add_(view.params, updates)
+                _run_tail(plan, view, updates, tail_lists, tail_states)
+            else:
+                torch._foreach_add_(view.params, updates)
         return tuple(new_state)
 
     def step(params: PyTree, grads: PyTree, state: OptState) -> OptState:

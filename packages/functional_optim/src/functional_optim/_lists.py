@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import optree
 import torch
@@ -65,6 +65,9 @@ from functional_optim._tree import (
     tree_flatten,
     tree_leaves,
 )
+
+if TYPE_CHECKING:
+    from functional_optim._tail_kernels import FusedTail
 
 _DEVICE = attrgetter("device")
 _DTYPE = attrgetter("dtype")
@@ -102,6 +105,8 @@ class ListTransform(NamedTuple):
             :func:`with_active_leaves`), bitwise equal to ``apply``. It saves the copies of the
             state and of the caller's updates that ``run_pure`` makes before ``apply`` (one pass
             over each buffer).
+        tail: for a scaling transform, how a chain ending in it, an optional decay and a
+            learning rate runs as one kernel (:class:`functional_optim._tail_kernels.FusedTail`).
     """
 
     key: str
@@ -109,6 +114,7 @@ class ListTransform(NamedTuple):
     apply: ListApplyFn
     writes_updates: bool = True
     apply_pure: ListApplyFn | None = None
+    tail: FusedTail | None = None
 
 
 class LeafView:

@@ -44,7 +44,6 @@ from functional_optim._fusion import plan_tail
 from functional_optim._kernel_runner import running_with
 from functional_optim._lists import recording
 from functional_optim._pure_flat import FlatRunner, clone
-from functional_optim._tail_kernels import TAIL_STATE
 from functional_optim._transforms.hyperparams import injected_inner
 from functional_optim._tree import PyTree, tree_flatten, tree_leaves
 
@@ -204,9 +203,9 @@ def kernel_writes(tx: GradientTransformation, state: OptState) -> KernelWrites |
         if inner is None:
             return None
         return KernelWrites(inner.state, inner.writes_grads or bool(plan.head))
-    if plan.rule in TAIL_STATE:
+    if plan.fused is not None:
         own_state = state[plan.tail[0]]
-        leaves = tree_leaves([getattr(own_state, name) for name in TAIL_STATE[plan.rule]])
+        leaves = tree_leaves([getattr(own_state, name) for name in plan.fused.written])
         return KernelWrites(leaves, bool(plan.head))
     return None
 

@@ -1,40 +1,104 @@
-"""The list kernels of the in-place chain tails that torch has no single kernel for.
+"""Fused chain tails: a scaling transform's declaration that ``chain(it, [decay], lr)`` runs
+as one list kernel, and the kernels torch has none for.
 
-:mod:`functional_optim._fusion` matches a chain's tail (``scale_by_lion, [decay], scale(-lr)``,
-...) and calls one of these through :func:`functional_optim._kernel_runner.run_kernel`, with
-each argument's role in the matching ``*_ROLES``. Each writes the params and its moments in
-place with ``torch._foreach_*`` ops, in torch's op order where torch has the algorithm.
-``decays[k]`` says whether leaf ``k`` takes the weight decay (a masked decay splits them).
+A scaling transform (``scale_by_adam``, ``scale_by_lion``, ``scale_by_rms``,
+``scale_by_adamax``) names its :class:`FusedTail` in its :class:`~functional_optim._lists.
+ListTransform`. When a chain ends in that transform, an optional ``add_decayed_weights(wd)``
+(masked or not) and a learning rate, :mod:`functional_optim._fusion` runs the tail's kernel
+instead of the three components: it only matches that shape, and reads everything else (torch's
+checks, the state lists the kernel reads and writes, the call) from the declaration, so a new
+algorithm's tail is one declaration beside its transform.
+
+The kernels here write the params and their moments in place with ``torch._foreach_*`` ops,
+in torch's op order where torch has the algorithm, and are called through
+:func:`functional_optim._kernel_runner.run_kernel` with each argument's role in the matching
+``*_ROLES`` (so that ``pure_step`` can run them on copies). ``decays[k]`` says whether leaf
+``k`` takes the weight decay (a masked decay splits them).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+
 import torch
 from torch import Tensor
 
+from functional_optim import kernels
 from functional_optim._counts import increment_counts
-from functional_optim._kernel_runner import Role
+from functional_optim._input_checks import GradRules
+from functional_optim._kernel_runner import Role, run_kernel
+
+if TYPE_CHECKING:
+    from functional_optim._lists import LeafView
 
 __all__ = [
-    "ADAMAX_ROLES",
-    "LION_ROLES",
+    "ADAMAX_TAIL",
+    "ADAM_SPARSE",
+    "ADAM_TAIL",
+    "LION_TAIL",
     "LR_ROLES",
-    "RMS_ROLES",
-    "TAIL_STATE",
+    "RMS_TAIL",
+    "FusedTail",
+    "TailCall",
     "adamax",
     "lion",
     "lr_only",
     "rms",
 ]
 
-#: The state fields each tail rule's kernel writes (``pure_step`` copies the others).
-TAIL_STATE = {
-    "adam": ("count", "mu", "nu", "nu_max"),
-    "lion": ("count", "mu"),
-    "rms": ("count", "nu", "mu"),
-    "adamax": ("count", "mu", "nu"),
-    "lr": (),
-}
+#: torch.optim.Adam's message for a sparse gradient (AdamW, its subclass, shares it).
+ADAM_SPARSE = "Adam does not support sparse gradients, please consider SparseAdam instead"
+
+
+class TailCall(NamedTuple):
+    """One fused tail's step.
+
+    Attributes:
+        view: the step's leaf view.
+        updates: the head's output at the view's positions (the kernel's gradients).
+        hyper: the scaling transform's hyperparameters.
+        state: its state (the kernel writes its lists in place).
+        lr: the learning rate.
+        weight_decay: the decoupled weight decay (0: none).
+        decayed: the positions that take the decay (a masked decay), or None for all.
+    """
+
+    view: LeafView
+    updates: list[Tensor]
+    hyper: Mapping[str, Any]
+    state: Any
+    lr: float
+    weight_decay: float
+    decayed: list[int] | None
+
+    def decays(self) -> list[bool]:
+        """Per position, whether it takes the decay."""
+        flags = [self.decayed is None] * len(self.view.params)  # no Python loop when unmasked
+        for j in self.decayed or ():
+            flags[j] = True
+        return flags
+
+
+class FusedTail(NamedTuple):
+    """How ``chain(<transform>, [add_decayed_weights(wd)], <learning rate>)`` runs as one
+    kernel call.
+
+    Attributes:
+        name: the rule's name (in plans and messages).
+        rules: torch's checks of the gradients for that kernel.
+        buffers: ``(hyper) -> [(torch's name, state field)]``: the state lists the kernel
+            reads, checked against the params before anything runs (the step counts are
+            checked too).
+        written: the state fields the kernel writes (``pure_step`` copies the others).
+        run: runs the kernel on a :class:`TailCall`.
+    """
+
+    name: str
+    rules: GradRules
+    buffers: Callable[[Mapping[str, Any]], list[tuple[str, str]]]
+    written: tuple[str, ...]
+    run: Callable[[TailCall], None]
 
 
 def _decay(params: list[Tensor], decays: list[bool], lr: float, weight_decay: float) -> None:
@@ -136,3 +200,109 @@ def lr_only(
     """``p.mul_(1 - lr * wd)`` on the decayed leaves, then ``p.add_(u, alpha=-lr)``."""
     _decay(params, decays, lr, weight_decay)
     torch._foreach_add_(params, updates, alpha=-lr)
+
+
+#: ``kernels.adam(w)``'s arguments: params, grads, mu, nu, nu_max, counts, then scalars.
+_ADAM_ROLES: tuple[Role, ...] = ("write", "read", "write", "write", "write", "count", *[None] * 8)
+
+
+def _adam_kernel(call: TailCall, view: LeafView, updates: list[Tensor], wd: float) -> None:
+    if not updates:
+        return
+    hyper, state = call.hyper, call.state
+    amsgrad = bool(hyper["amsgrad"])
+    args = [
+        list(view.params),  # the runner refills its lists with new tensors
+        updates,
+        view.gather(state.mu),
+        view.gather(state.nu),
+        view.gather(state.nu_max) if amsgrad else [],
+        view.gather(state.count),
+        amsgrad,
+        float(hyper["b1"]),
+        float(hyper["b2"]),
+        call.lr,
+        wd,
+        float(hyper["eps"]),
+        False,
+        "auto",
+    ]
+    run_kernel(kernels.adamw if wd != 0.0 else kernels.adam, args, _ADAM_ROLES)
+
+
+def _run_adam(call: TailCall) -> None:
+    """``kernels.adamw`` (``kernels.adam`` without decay; torch's fused kernel where it has
+    one); a masked decay splits the leaves in two calls, as torch's two param groups."""
+    if call.decayed is None:
+        _adam_kernel(call, call.view, call.updates, call.weight_decay)
+        return
+    chosen = set(call.decayed)
+    rest = [j for j in range(len(call.view.idx)) if j not in chosen]
+    for positions, decay in ((call.decayed, call.weight_decay), (rest, 0.0)):
+        sub = call.view.subset(positions)
+        _adam_kernel(call, sub, [call.updates[j] for j in positions], decay)
+
+
+def _adam_buffers(hyper: Mapping[str, Any]) -> list[tuple[str, str]]:
+    buffers = [("exp_avg", "mu"), ("exp_avg_sq", "nu")]
+    if hyper["amsgrad"]:
+        buffers.append(("max_exp_avg_sq", "nu_max"))
+    return buffers
+
+
+ADAM_TAIL = FusedTail(
+    "adam",
+    GradRules("Adam", sparse_message=ADAM_SPARSE),
+    _adam_buffers,
+    ("count", "mu", "nu", "nu_max"),
+    _run_adam,
+)
+
+
+def _run_lion(call: TailCall) -> None:
+    view, state, hyper = call.view, call.state, call.hyper
+    args: list[Any] = [list(view.params), call.updates, view.gather(state.mu)]
+    args += [view.gather(state.count), call.decays(), call.lr, call.weight_decay]
+    args += [float(hyper["b1"]), float(hyper["b2"])]
+    run_kernel(lion, args, LION_ROLES)
+
+
+LION_TAIL = FusedTail(
+    "lion", GradRules("Lion"), lambda hyper: [("exp_avg", "mu")], ("count", "mu"), _run_lion
+)
+
+
+def _run_rms(call: TailCall) -> None:
+    view, state, hyper = call.view, call.state, call.hyper
+    centered = bool(hyper["centered"])
+    mu = view.gather(state.mu) if centered else []
+    args: list[Any] = [list(view.params), call.updates, view.gather(state.nu), mu]
+    args += [view.gather(state.count), call.decays(), call.lr, call.weight_decay]
+    args += [float(hyper["alpha"])]
+    run_kernel(rms, [*args, float(hyper["eps"]), centered], RMS_ROLES)
+
+
+def _rms_buffers(hyper: Mapping[str, Any]) -> list[tuple[str, str]]:
+    return [("square_avg", "nu"), *([("grad_avg", "mu")] if hyper["centered"] else [])]
+
+
+RMS_TAIL = FusedTail(
+    "rms", GradRules("RMSprop", promotes=True), _rms_buffers, ("count", "nu", "mu"), _run_rms
+)
+
+
+def _run_adamax(call: TailCall) -> None:
+    view, state, hyper = call.view, call.state, call.hyper
+    args: list[Any] = [list(view.params), call.updates, view.gather(state.mu)]
+    args += [view.gather(state.nu), view.gather(state.count), call.decays(), call.lr]
+    args += [call.weight_decay, float(hyper["b1"]), float(hyper["b2"]), float(hyper["eps"])]
+    run_kernel(adamax, args, ADAMAX_ROLES)
+
+
+ADAMAX_TAIL = FusedTail(
+    "adamax",
+    GradRules("Adamax"),
+    lambda hyper: [("exp_avg", "mu"), ("exp_inf", "nu")],
+    ("count", "mu", "nu"),
+    _run_adamax,
+)

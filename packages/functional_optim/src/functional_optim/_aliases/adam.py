@@ -23,6 +23,7 @@ from functional_optim._aliases._common import (
 from functional_optim._aliases._kernel_spec import GRADS, IMPL, LR, PARAMS, KernelArg, state
 from functional_optim._base import GradientTransformation
 from functional_optim._recipes import transform_factory
+from functional_optim._tail_kernels import ADAM_SPARSE
 from functional_optim._transforms.adam import (
     ScaleByAdamState,
     scale_by_adam,
@@ -229,9 +230,6 @@ _ADAM_NAMES: Mapping[str, str] = {
     "nu_max": "max_exp_avg_sq",
 }
 
-#: torch.optim.Adam's message, which AdamW (its subclass) shares.
-_ADAM_SPARSE = "Adam does not support sparse gradients, please consider SparseAdam instead"
-
 _ADAM_ARGS: tuple[KernelArg, ...] = (
     PARAMS, GRADS, state("mu"), state("nu"), state("nu_max", when="amsgrad"), state("count"),
     "amsgrad", "b1", "b2", LR, "weight_decay", "eps", "maximize", IMPL,
@@ -250,7 +248,7 @@ ADAM = Algorithm(
     kernel_args=_ADAM_ARGS,
     functional=FunctionalAdam,
     has_fused=True,
-    sparse_message=_ADAM_SPARSE,
+    sparse_message=ADAM_SPARSE,
 )  # fmt: skip
 
 #: The entry mirroring torch.optim.AdamW.
@@ -266,5 +264,5 @@ ADAMW = Algorithm(
     kernel_args=_ADAM_ARGS,
     functional=FunctionalAdamW,
     has_fused=True,
-    sparse_message=_ADAM_SPARSE,
+    sparse_message=ADAM_SPARSE,
 )  # fmt: skip

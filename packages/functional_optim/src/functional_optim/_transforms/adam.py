@@ -10,6 +10,7 @@ from torch import Tensor
 from functional_optim._base import GradientTransformation, OptState
 from functional_optim._lists import LeafView, ListTransform, with_active_leaves
 from functional_optim._recipes import transform_factory
+from functional_optim._tail_kernels import ADAM_TAIL, ADAMAX_TAIL
 from functional_optim._transforms import _ops
 from functional_optim._tree import PyTree, tree_zeros_like
 
@@ -121,7 +122,7 @@ def scale_by_adam(
         return out, new
 
     hyper = {"b1": b1, "b2": b2, "eps": eps, "amsgrad": amsgrad}
-    lists = ListTransform("scale_by_adam", hyper, apply, False, apply_pure)
+    lists = ListTransform("scale_by_adam", hyper, apply, False, apply_pure, tail=ADAM_TAIL)
     return GradientTransformation(init, update, lists=lists)
 
 
@@ -210,5 +211,5 @@ def scale_by_adamax(
         return list(out), state
 
     hyper = {"b1": b1, "b2": b2, "eps": eps}
-    lists = ListTransform("scale_by_adamax", hyper, apply, writes_updates=False)
+    lists = ListTransform("scale_by_adamax", hyper, apply, False, tail=ADAMAX_TAIL)
     return GradientTransformation(init, update, lists=lists)

@@ -14,6 +14,7 @@ from torch import Tensor
 from functional_optim._base import GradientTransformation, OptState
 from functional_optim._lists import LeafView, ListTransform
 from functional_optim._recipes import transform_factory
+from functional_optim._tail_kernels import LION_TAIL
 from functional_optim._transforms import _ops
 from functional_optim._transforms._leaf import moment
 from functional_optim._transforms._optax_moments import Scalar, keep, moment_zeros
@@ -74,5 +75,6 @@ def scale_by_lion(
     same_dtype = mu_dtype is None and not isinstance(b1, Tensor) and not isinstance(b2, Tensor)
     lists = None
     if same_dtype:
-        lists = ListTransform("scale_by_lion", {"b1": b1, "b2": b2}, apply, writes_updates=False)
+        hyper = {"b1": b1, "b2": b2}
+        lists = ListTransform("scale_by_lion", hyper, apply, False, tail=LION_TAIL)
     return GradientTransformation(init, update, lists=lists)

@@ -10,6 +10,7 @@ from torch import Tensor
 from functional_optim._base import GradientTransformation, OptState
 from functional_optim._lists import LeafView, ListTransform
 from functional_optim._recipes import transform_factory
+from functional_optim._tail_kernels import RMS_TAIL
 from functional_optim._transforms import _ops
 from functional_optim._tree import PyTree, tree_full_like, tree_zeros_like
 
@@ -108,7 +109,7 @@ def scale_by_rms(
         return list(torch._foreach_div(updates, avg)), state
 
     hyper = {"alpha": alpha, "eps": eps, "centered": centered}
-    lists = ListTransform("scale_by_rms", hyper, apply, writes_updates=False)
+    lists = ListTransform("scale_by_rms", hyper, apply, False, tail=RMS_TAIL)
     return GradientTransformation(init, update, lists=lists)
 
 
