@@ -193,3 +193,16 @@ def test_a_kernel_that_disagrees_with_torch_is_not_used() -> None:
 def test_the_built_extension_agrees_with_torch() -> None:
     assert built.agrees_with_torch(built.built())
     assert built.extension() is not None
+
+
+@needs_extension
+def test_the_check_runs_on_cpu_float32_whatever_the_defaults() -> None:
+    """The first use may come inside a user's ``torch.device`` context or under a float64
+    default dtype: the probe makes its own tensors on the CPU in fp32."""
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.device("meta"):
+            assert built.agrees_with_torch(built.built())
+    finally:
+        torch.set_default_dtype(dtype)

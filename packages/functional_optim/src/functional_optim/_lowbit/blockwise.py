@@ -122,12 +122,6 @@ class RunCodec:
         codes[at : at + new.numel()] = new
         return absmax
 
-    def requantize(
-        self, values: Tensor, absmax: Tensor, codes: Tensor, scales: Tensor, start: int
-    ) -> None:
-        """Write the codes of ``values`` (whole blocks) with the given largest magnitudes."""
-        quantize(values, absmax, self.cmap, codes, scales, self.bs, start)
-
     def _tables(self, device: torch.device) -> tuple[Tensor, Tensor]:
         if self.cmap.kind != "int4":
             return self.cmap.base, self.cmap.split

@@ -111,8 +111,3 @@ def __getattr__(name: str) -> Any:
     if name.startswith("Quantized_"):
         return moment_type(name[len("Quantized_") :])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def is_moment_state(node: Any) -> bool:
-    """Whether ``node`` is one of the ``Quantized_<key>`` states."""
-    return type(node) in _TYPES.values()
