@@ -121,7 +121,7 @@ def test_cpp_step_is_bitwise_the_torch_op_path(name: str, cpp_calls: list[bool])
 def test_cpp_step_gives_the_same_bits_on_one_and_two_threads(
     kind: str, cpp_calls: list[bool]
 ) -> None:
-    """The C++ step splits a param's blocks between torch's threads (512 blocks of 64 or more
+    """The C++ step splits a param's blocks between torch's threads (64 blocks of 64 or more
     per thread); the blocks are independent, so the thread count changes nothing."""
     shapes = [*SHAPES, (300, 300)]
     make = _lowbit(lambda: fo.adamw(lr=1e-2, weight_decay=0.1), kind)

@@ -192,7 +192,7 @@ void adam_param(const Format& fmt, const Step& h, float* p, const float* g, uint
                 float* ms, uint8_t* vc, float* vs, int64_t n, int64_t block_size,
                 int64_t per_byte, float step_size, float bc2_sqrt) {
   const int64_t blocks = (n + block_size - 1) / block_size;
-  at::parallel_for(0, blocks, std::max<int64_t>(1, 32768 / block_size),
+  at::parallel_for(0, blocks, std::max<int64_t>(1, 4096 / block_size),
                    [&](int64_t first, int64_t last) {
     std::vector<float> mbuf(block_size), vbuf(block_size);
     for (int64_t b = first; b < last; ++b) {
