@@ -169,7 +169,7 @@ def test_a_kernel_that_disagrees_with_torch_is_not_used() -> None:
     class Unfused:
         @staticmethod
         def adam_out(old: Any, grads: Any, out: Any, steps: Any, *hyper: Any) -> None:
-            lr, b1, b2, wd, eps, amsgrad, maximize, decoupled = hyper
+            lr, b1, b2, wd, eps, amsgrad, maximize, decoupled, _ = hyper
             for j, g in enumerate(grads):
                 steps[j] += 1
                 t = steps[j].item()
@@ -206,3 +206,14 @@ def test_the_check_runs_on_cpu_float32_whatever_the_defaults() -> None:
             assert built.agrees_with_torch(built.built())
     finally:
         torch.set_default_dtype(dtype)
+
+
+@needs_extension
+def test_streaming_stores_give_the_same_bits(
+    calls: _Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Large steps write with streaming stores (where a 32-byte address allows); forced here."""
+    monkeypatch.setattr(_out_of_place, "STREAM_BYTES", 0)
+    _compare(lambda: fo.adamw(lr=0.05, weight_decay=0.1, amsgrad=True), shapes=((64, 65), (40,)))
+    _compare(lambda: fo.sgd(lr=0.05, momentum=0.9, nesterov=True), shapes=((64, 65), (40,)))
+    assert calls.ran >= 6

@@ -73,7 +73,7 @@ def _equal(a: list[list[Tensor]], b: list[list[Tensor]]) -> bool:
 
 
 def _adam_agrees(module: Any, case: tuple[Any, ...], generator: torch.Generator) -> bool:
-    decoupled, amsgrad, maximize, beta1, weight_decay = case
+    decoupled, amsgrad, maximize, beta1, weight_decay, stream = case
     params, grads, exp_avgs, exp_avg_sqs, maxima = _probe(generator, 5)
     exp_avg_sqs, maxima = [t.abs() for t in exp_avg_sqs], [t.abs() for t in maxima]
     old = [params, exp_avgs, exp_avg_sqs, maxima] if amsgrad else [params, exp_avgs, exp_avg_sqs]
@@ -88,12 +88,13 @@ def _adam_agrees(module: Any, case: tuple[Any, ...], generator: torch.Generator)
         theirs[0], grads, theirs[1], theirs[2], theirs[3] if amsgrad else [], steps, **hyper,
         amsgrad=amsgrad, maximize=maximize, grad_scale=None, found_inf=None,
     )  # fmt: skip
-    module.adam_out(old, grads, ours, our_steps, *hyper.values(), amsgrad, maximize, decoupled)
+    flags = (amsgrad, maximize, decoupled, stream)
+    module.adam_out(old, grads, ours, our_steps, *hyper.values(), *flags)
     return _equal(ours, theirs) and _equal([our_steps], [steps])
 
 
 def _sgd_agrees(module: Any, case: tuple[Any, ...], generator: torch.Generator) -> bool:
-    momentum, nesterov, maximize, dampening, weight_decay = case
+    momentum, nesterov, maximize, dampening, weight_decay, stream = case
     params, grads, bufs = _probe(generator, 3)
     old = [params, bufs] if momentum else [params]
     theirs = [[t.clone() for t in x] for x in old]
@@ -104,17 +105,18 @@ def _sgd_agrees(module: Any, case: tuple[Any, ...], generator: torch.Generator) 
         nesterov=nesterov, maximize=maximize, is_first_step=False, grad_scale=None,
         found_inf=None,
     )  # fmt: skip
-    module.sgd_out(old, grads, ours, *hyper.values(), weight_decay, nesterov, maximize)
+    flags = (nesterov, maximize, stream)
+    module.sgd_out(old, grads, ours, *hyper.values(), weight_decay, *flags)
     return _equal(ours, theirs)
 
 
 def agrees_with_torch(module: Any) -> bool:
     """Whether ``module``'s kernels give torch's fused kernels' bits on a probe of every
-    option (a few milliseconds)."""
+    option, with plain and with streaming stores (a few milliseconds)."""
     generator = torch.Generator(device="cpu").manual_seed(0)
     flags = (False, True)
-    adam = itertools.product(flags, flags, flags, (0.9, 0.3), (0.0, 0.1))
+    adam = itertools.product(flags, flags, flags, (0.9, 0.3), (0.0, 0.1), flags)
     if not all(_adam_agrees(module, case, generator) for case in adam):
         return False
-    sgd = itertools.product((0.0, 0.9), flags, flags, (0.0, 0.1), (0.0, 0.01))
+    sgd = itertools.product((0.0, 0.9), flags, flags, (0.0, 0.1), (0.0, 0.01), flags)
     return all(_sgd_agrees(module, case, generator) for case in sgd if case[0] or not case[1])

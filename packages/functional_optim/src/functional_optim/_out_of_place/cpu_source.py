@@ -13,7 +13,7 @@ from __future__ import annotations
 __all__ = ["FUNCTIONS", "SOURCE"]
 
 #: the functions the extension exports
-FUNCTIONS = ["lists_fit", "adam_out", "sgd_out"]
+FUNCTIONS = ["fitting_numel", "adam_out", "sgd_out"]
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -53,11 +53,13 @@ void for_pieces(int64_t n, const Fn& fn) {
   });
 }
 
-// Stores to new memory: a streaming store skips reading the line first (a third of the
-// traffic of a write to memory not in cache), where the address allows one.
-inline void put(const Vec& value, float* at) {
+// Stores to new memory: where the step's buffers do not fit in the cache (``stream``), a
+// streaming store skips reading the line first (a third of the traffic of a write to memory
+// not in cache), where the address allows one; where they fit, a plain store keeps the line
+// in cache for the next step.
+inline void put(const Vec& value, float* at, bool stream) {
 #if defined(__AVX__)
-  if ((reinterpret_cast<uintptr_t>(at) & 31) == 0) {
+  if (stream && (reinterpret_cast<uintptr_t>(at) & 31) == 0) {
     _mm256_stream_ps(at, value);
     return;
   }
@@ -73,23 +75,26 @@ float advance(const at::Tensor& step) {
 
 }  // namespace
 
-// Whether every list holds one contiguous fp32 CPU tensor per param, of the param's size,
-// and ``counts`` one fp32 CPU counter per param (an empty list of lists: no counters).
-bool lists_fit(const Lists& lists, const std::vector<at::Tensor>& counts) {
-  if (lists.empty()) return false;
+// The number of elements of the params when every list holds one contiguous fp32 CPU tensor
+// per param, of the param's size, and ``counts`` one fp32 CPU counter per param (an empty
+// list: no counters); else -1.
+int64_t fitting_numel(const Lists& lists, const std::vector<at::Tensor>& counts) {
+  if (lists.empty()) return -1;
   const size_t count = lists[0].size();
   for (const auto& list : lists) {
-    if (list.size() != count) return false;
+    if (list.size() != count) return -1;
   }
-  if (!counts.empty() && counts.size() != count) return false;
+  if (!counts.empty() && counts.size() != count) return -1;
+  int64_t total = 0;
   for (size_t j = 0; j < count; ++j) {
     const int64_t n = lists[0][j].numel();
     for (const auto& list : lists) {
-      if (!plain(list[j]) || list[j].numel() != n) return false;
+      if (!plain(list[j]) || list[j].numel() != n) return -1;
     }
-    if (!counts.empty() && (!plain(counts[j]) || counts[j].numel() != 1)) return false;
+    if (!counts.empty() && (!plain(counts[j]) || counts[j].numel() != 1)) return -1;
+    total += n;
   }
-  return true;
+  return total;
 }
 
 // torch._fused_adam_ / _fused_adamw_ (no grad scaling): ``old`` = params, exp_avgs,
@@ -97,7 +102,8 @@ bool lists_fit(const Lists& lists, const std::vector<at::Tensor>& counts) {
 // ``steps`` are advanced first, as torch's optimizer does before calling its kernel.
 void adam_out(const Lists& old, const std::vector<at::Tensor>& grads, const Lists& out,
               const std::vector<at::Tensor>& steps, double lr, double beta1, double beta2,
-              double weight_decay, double eps, bool amsgrad, bool maximize, bool decoupled) {
+              double weight_decay, double eps, bool amsgrad, bool maximize, bool decoupled,
+              bool stream) {
   for (size_t j = 0; j < grads.size(); ++j) {
     const double step = advance(steps[j]);
     const double bias_correction1 = 1 - std::pow(beta1, step);
@@ -132,15 +138,15 @@ void adam_out(const Lists& old, const std::vector<at::Tensor>& grads, const List
         Vec m = Vec::loadu(M + d);
         m = at::vec::fmadd(coeff, g - m, small ? m : g);
         Vec v = at::vec::fmadd(Vec(c2) * g, g, Vec::loadu(V + d) * Vec(b2));
-        put(m, NM + d);
-        put(v, NV + d);
+        put(m, NM + d, stream);
+        put(v, NV + d, stream);
         if (amsgrad) {
           v = at::vec::maximum(Vec::loadu(X + d), v);
-          put(v, NX + d);
+          put(v, NX + d, stream);
         }
         const Vec denom = (v.sqrt() / Vec(bc2_sqrt)) + Vec(e);
         p = p + Vec(-step_size) * m / denom;
-        put(p, NP + d);
+        put(p, NP + d, stream);
       }
       for (; d < end; ++d) {
         float g = maximize ? -G[d] : G[d];
@@ -166,7 +172,7 @@ void adam_out(const Lists& old, const std::vector<at::Tensor>& grads, const List
 // momentum_buffers] before the step, ``out`` the same lists to write.
 void sgd_out(const Lists& old, const std::vector<at::Tensor>& grads, const Lists& out,
              double lr, double momentum, double dampening, double weight_decay, bool nesterov,
-             bool maximize) {
+             bool maximize, bool stream) {
   const float wd = float(weight_decay), mu = float(momentum), keep = float(1 - dampening);
   const float neg_lr = float(-lr);
   const bool has_momentum = momentum != 0.0;
@@ -186,10 +192,10 @@ void sgd_out(const Lists& old, const std::vector<at::Tensor>& grads, const Lists
         if (weight_decay != 0.0) g = at::vec::fmadd(p, Vec(wd), g);
         if (has_momentum) {
           const Vec b = at::vec::fmadd(g, Vec(keep), Vec::loadu(B + d) * Vec(mu));
-          put(b, NB + d);
+          put(b, NB + d, stream);
           g = nesterov ? at::vec::fmadd(b, Vec(mu), g) : b;
         }
-        put(at::vec::fmadd(g, Vec(neg_lr), p), NP + d);
+        put(at::vec::fmadd(g, Vec(neg_lr), p), NP + d, stream);
       }
       for (; d < end; ++d) {
         float g = maximize ? -G[d] : G[d];
