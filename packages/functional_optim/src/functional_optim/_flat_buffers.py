@@ -27,6 +27,11 @@ from torch import Tensor
 
 __all__ = ["MAX_GENERATIONS", "Generation", "Layout", "Pool"]
 
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
 #: Generations a pool keeps for reuse: two alternate in a loop, a third covers a caller that
 #: holds one older state (or the gathered copy of state built elsewhere).
 MAX_GENERATIONS = 3
@@ -81,11 +86,10 @@ class Layout:
         """Whether ``params`` have this layout's shapes, dtypes and devices."""
         if len(params) != len(self.shapes):
             return False
-        return all(
-            p.shape == shape and p.dtype == dtype and p.device == device
-            for p, shape, dtype, device in zip(
-                params, self.shapes, self.dtypes, self.devices, strict=True
-            )
+        return (  # C loops: this runs every step, over every leaf
+            list(map(_SHAPE, params)) == self.shapes
+            and list(map(_DTYPE, params)) == self.dtypes
+            and list(map(_DEVICE, params)) == self.devices
         )
 
     def gather(self, leaves: Sequence[Tensor], flats: Sequence[Tensor]) -> None:
@@ -171,7 +175,7 @@ class Pool:
         for flats, views in zip(gen.flats, gen.views, strict=True):
             if max(map(sys.getrefcount, views), default=_LIST_ONLY) > _LIST_ONLY:
                 return False
-            if any(v.requires_grad for v in views):
+            if any(map(_REQUIRES_GRAD, views)):
                 return False
             for flat, expected in zip(flats, self._unshared_count, strict=True):
                 if use_count(flat.untyped_storage()._cdata) != expected:

@@ -221,13 +221,29 @@ def foreach_scaled(tensors: list[Tensor], factor: float | Tensor) -> list[Tensor
     return out
 
 
+#: ``tensor.requires_grad`` as a C function (a ``TypeError`` for anything but a tensor)
+_REQUIRES_GRAD: Callable[[Any], bool] = Tensor.requires_grad.__get__  # type: ignore[attr-defined]
+
+
 def recording(*trees: PyTree) -> bool:
     """Whether autograd (or a ``torch.func`` transform) may record ops on these trees."""
+    return leaves_recording(*map(tree_leaves, trees))
+
+
+def leaves_recording(*leaf_lists: list[Any]) -> bool:
+    """:func:`recording` of trees already flattened (one list of leaves each)."""
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return True
     if not torch.is_grad_enabled():
         return False
-    return any(isinstance(x, Tensor) and x.requires_grad for t in trees for x in tree_leaves(t))
+    for leaves in leaf_lists:
+        try:  # every leaf a tensor (params, gradients): one C loop
+            if any(map(_REQUIRES_GRAD, leaves)):
+                return True
+        except TypeError:  # a state with a count or a hyperparameter among its leaves
+            if any(map(_REQUIRES_GRAD, [x for x in leaves if isinstance(x, Tensor)])):
+                return True
+    return False
 
 
 def copy_tensors(tensors: list[Tensor]) -> list[Tensor]:

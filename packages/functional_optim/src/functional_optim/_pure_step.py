@@ -42,7 +42,7 @@ from functional_optim._aliases._kernel_step import written_state
 from functional_optim._base import GradientTransformation, OptState, apply_updates
 from functional_optim._fusion import plan_tail
 from functional_optim._kernel_runner import running_with
-from functional_optim._lists import recording
+from functional_optim._lists import leaves_recording
 from functional_optim._pure_flat import FlatRunner, clone
 from functional_optim._transforms.hyperparams import injected_inner
 from functional_optim._tree import PyTree, tree_flatten, tree_leaves
@@ -130,7 +130,11 @@ def pure_step(
 
     def step(params: PyTree, grads: PyTree, state: OptState) -> tuple[PyTree, OptState]:
         leaves, spec = tree_flatten(state)
-        traced = torch.compiler.is_compiling() or recording(params, grads, leaves)
+        param_leaves, param_spec = tree_flatten(params)
+        grad_leaves, grad_spec = tree_flatten(grads)
+        traced = torch.compiler.is_compiling() or leaves_recording(
+            param_leaves, grad_leaves, leaves
+        )
         found = None if traced else plan(leaves, spec, state)
         if found is None:
             updates, new_state = tx.update(grads, state, params)
@@ -146,7 +150,6 @@ def pure_step(
             runner.begin()
             try:
                 if found.writes_grads:  # the components before the kernel rescale them
-                    grad_leaves, grad_spec = tree_flatten(grads)
                     present = [g for g in grad_leaves if g is not None]
                     copies = iter(runner.copies(present))
                     grads = grad_spec.unflatten(
@@ -154,7 +157,6 @@ def pure_step(
                     )
                 new_state = tx.step(params, grads, shadow)
                 get = runner.replaced.get
-                param_leaves, param_spec = tree_flatten(params)
                 new_active = map(get, map(id, param_leaves), param_leaves)
                 new_params = param_spec.unflatten(list(new_active))
                 new_leaves, new_spec = tree_flatten(new_state)
