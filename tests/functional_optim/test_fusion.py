@@ -15,8 +15,7 @@ from functional_optim import _tail_kernels as tail_kernels
 from functional_optim._fusion import plan_tail
 from functional_optim._input_checks import GradRules
 from functional_optim._kernel_runner import run_kernel
-from functional_optim._lists import LeafView
-from functional_optim._tail_kernels import FusedTail, TailCall
+from functional_optim._lists import FusedTail, LeafView, TailCall
 from functional_optim._tree import tree_leaves
 
 from ._parity import assert_tensors_equal, clone_tensors, make_grads, make_params

@@ -28,14 +28,9 @@ from torch import Tensor
 
 from functional_optim._fn_types import InitFn, OptState, StepFn, UpdateFn
 from functional_optim._fusion import chain_step
-from functional_optim._lists import (
-    LeafView,
-    ListTransform,
-    pure_apply_all,
-    recording,
-    run_pure,
-)
+from functional_optim._lists import LeafView, ListTransform, pure_apply_all, run_pure
 from functional_optim._recipes import recipe_of, remake, transform_factory
+from functional_optim._recording import recording
 from functional_optim._tree import PyTree, leaves_like, tree_flatten, tree_unflatten
 
 __all__ = [

@@ -54,9 +54,8 @@ from torch import Tensor
 from functional_optim import _tail_kernels as tail_kernels
 from functional_optim._fn_types import OptState, StepFn
 from functional_optim._kernel_runner import run_kernel
-from functional_optim._lists import LeafView, ListTransform
+from functional_optim._lists import FusedTail, LeafView, ListTransform, TailCall
 from functional_optim._step_checks import CHECKER, Buffer, GradRules
-from functional_optim._tail_kernels import FusedTail, TailCall
 from functional_optim._tree import PyTree
 
 __all__ = ["chain_step", "check_tail", "plan_tail", "view_step"]

@@ -40,8 +40,9 @@ writes_updates)``; for example ``scale``::
 The pure path of a chain whose components all have ``lists`` (:func:`run_pure`) runs the same
 ``apply`` functions on copies of the state, so a new transform gets a fast pure path too, with
 the same numbers as its per-leaf ``update``. It is used when no autograd graph is recorded
-(:func:`recording`); a differentiable call (``torch.func``, ``requires_grad`` inputs) takes the
-per-leaf ``update`` of each component, which never writes into a tensor autograd saved.
+(:func:`functional_optim._recording.recording`); a differentiable call (``torch.func``,
+``requires_grad`` inputs) takes the per-leaf ``update`` of each component, which never writes
+into a tensor autograd saved.
 
 Transforms without ``lists`` still work everywhere: a chain that holds one has no ``step`` and
 ``Optimizer`` falls back to ``update(inplace=True)`` + ``apply_updates``.
@@ -51,36 +52,34 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import optree
 import torch
 from torch import Tensor
 
+from functional_optim._input_checks import GradRules
 from functional_optim._tree import (
     NAMESPACE,
     PyTree,
     TreeSpec,
     leaves_like,
     tree_flatten,
-    tree_leaves,
 )
-
-if TYPE_CHECKING:
-    from functional_optim._tail_kernels import FusedTail
 
 _DEVICE = attrgetter("device")
 _DTYPE = attrgetter("dtype")
 
 __all__ = [
+    "FusedTail",
     "LeafView",
     "ListApplyFn",
     "ListTransform",
+    "TailCall",
     "by_device_dtype",
     "copy_tensors",
     "foreach_scale",
     "foreach_scaled",
-    "recording",
     "pure_apply_all",
     "run_pure",
     "with_active_leaves",
@@ -88,6 +87,56 @@ __all__ = [
 
 #: ``apply(updates, state, view) -> (updates, state)``, in place (see the module docstring).
 ListApplyFn = Callable[[list[Tensor], Any, "LeafView"], tuple[list[Tensor], Any]]
+
+
+class TailCall(NamedTuple):
+    """One fused tail's step.
+
+    Attributes:
+        view: the step's leaf view.
+        updates: the head's output at the view's positions (the kernel's gradients).
+        hyper: the scaling transform's hyperparameters.
+        state: its state (the kernel writes its lists in place).
+        lr: the learning rate.
+        weight_decay: the decoupled weight decay (0: none).
+        decayed: the positions that take the decay (a masked decay), or None for all.
+    """
+
+    view: LeafView
+    updates: list[Tensor]
+    hyper: Mapping[str, Any]
+    state: Any
+    lr: float
+    weight_decay: float
+    decayed: list[int] | None
+
+    def decays(self) -> list[bool]:
+        """Per position, whether it takes the decay."""
+        flags = [self.decayed is None] * len(self.view.params)  # no Python loop when unmasked
+        for j in self.decayed or ():
+            flags[j] = True
+        return flags
+
+
+class FusedTail(NamedTuple):
+    """How ``chain(<transform>, [add_decayed_weights(wd)], <learning rate>)`` runs as one
+    kernel call.
+
+    Attributes:
+        name: the rule's name (in plans and messages).
+        rules: torch's checks of the gradients for that kernel.
+        buffers: ``(hyper) -> [(torch's name, state field)]``: the state lists the kernel
+            reads, checked against the params before anything runs (the step counts are
+            checked too).
+        written: the state fields the kernel writes (``pure_step`` copies the others).
+        run: runs the kernel on a :class:`TailCall`.
+    """
+
+    name: str
+    rules: GradRules
+    buffers: Callable[[Mapping[str, Any]], list[tuple[str, str]]]
+    written: tuple[str, ...]
+    run: Callable[[TailCall], None]
 
 
 class ListTransform(NamedTuple):
@@ -106,7 +155,8 @@ class ListTransform(NamedTuple):
             state and of the caller's updates that ``run_pure`` makes before ``apply`` (one pass
             over each buffer).
         tail: for a scaling transform, how a chain ending in it, an optional decay and a
-            learning rate runs as one kernel (:class:`functional_optim._tail_kernels.FusedTail`).
+            learning rate runs as one kernel (:class:`FusedTail`; the built-in ones are in
+            :mod:`functional_optim._tail_kernels`).
     """
 
     key: str
@@ -219,31 +269,6 @@ def foreach_scaled(tensors: list[Tensor], factor: float | Tensor) -> list[Tensor
         ):
             out[i] = new
     return out
-
-
-#: ``tensor.requires_grad`` as a C function (a ``TypeError`` for anything but a tensor)
-_REQUIRES_GRAD: Callable[[Any], bool] = Tensor.requires_grad.__get__  # type: ignore[attr-defined]
-
-
-def recording(*trees: PyTree) -> bool:
-    """Whether autograd (or a ``torch.func`` transform) may record ops on these trees."""
-    return leaves_recording(*map(tree_leaves, trees))
-
-
-def leaves_recording(*leaf_lists: list[Any]) -> bool:
-    """:func:`recording` of trees already flattened (one list of leaves each)."""
-    if torch._C._functorch.peek_interpreter_stack() is not None:
-        return True
-    if not torch.is_grad_enabled():
-        return False
-    for leaves in leaf_lists:
-        try:  # every leaf a tensor (params, gradients): one C loop
-            if any(map(_REQUIRES_GRAD, leaves)):
-                return True
-        except TypeError:  # a state with a count or a hyperparameter among its leaves
-            if any(map(_REQUIRES_GRAD, [x for x in leaves if isinstance(x, Tensor)])):
-                return True
-    return False
 
 
 def copy_tensors(tensors: list[Tensor]) -> list[Tensor]:

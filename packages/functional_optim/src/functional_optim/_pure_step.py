@@ -42,8 +42,8 @@ from functional_optim._aliases._kernel_step import written_state
 from functional_optim._base import GradientTransformation, OptState, apply_updates
 from functional_optim._fusion import plan_tail
 from functional_optim._kernel_runner import running_with
-from functional_optim._lists import leaves_recording
 from functional_optim._pure_flat import FlatRunner, clone
+from functional_optim._recording import leaves_recording
 from functional_optim._transforms.hyperparams import injected_inner
 from functional_optim._tree import PyTree, tree_flatten, tree_leaves
 

@@ -18,8 +18,8 @@ in torch's op order where torch has the algorithm, and are called through
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -28,9 +28,7 @@ from functional_optim import kernels
 from functional_optim._counts import increment_counts
 from functional_optim._input_checks import GradRules
 from functional_optim._kernel_runner import Role, run_kernel
-
-if TYPE_CHECKING:
-    from functional_optim._lists import LeafView
+from functional_optim._lists import FusedTail, LeafView, TailCall
 
 __all__ = [
     "ADAMAX_TAIL",
@@ -39,8 +37,6 @@ __all__ = [
     "LION_TAIL",
     "LR_ROLES",
     "RMS_TAIL",
-    "FusedTail",
-    "TailCall",
     "adamax",
     "lion",
     "lr_only",
@@ -49,56 +45,6 @@ __all__ = [
 
 #: torch.optim.Adam's message for a sparse gradient (AdamW, its subclass, shares it).
 ADAM_SPARSE = "Adam does not support sparse gradients, please consider SparseAdam instead"
-
-
-class TailCall(NamedTuple):
-    """One fused tail's step.
-
-    Attributes:
-        view: the step's leaf view.
-        updates: the head's output at the view's positions (the kernel's gradients).
-        hyper: the scaling transform's hyperparameters.
-        state: its state (the kernel writes its lists in place).
-        lr: the learning rate.
-        weight_decay: the decoupled weight decay (0: none).
-        decayed: the positions that take the decay (a masked decay), or None for all.
-    """
-
-    view: LeafView
-    updates: list[Tensor]
-    hyper: Mapping[str, Any]
-    state: Any
-    lr: float
-    weight_decay: float
-    decayed: list[int] | None
-
-    def decays(self) -> list[bool]:
-        """Per position, whether it takes the decay."""
-        flags = [self.decayed is None] * len(self.view.params)  # no Python loop when unmasked
-        for j in self.decayed or ():
-            flags[j] = True
-        return flags
-
-
-class FusedTail(NamedTuple):
-    """How ``chain(<transform>, [add_decayed_weights(wd)], <learning rate>)`` runs as one
-    kernel call.
-
-    Attributes:
-        name: the rule's name (in plans and messages).
-        rules: torch's checks of the gradients for that kernel.
-        buffers: ``(hyper) -> [(torch's name, state field)]``: the state lists the kernel
-            reads, checked against the params before anything runs (the step counts are
-            checked too).
-        written: the state fields the kernel writes (``pure_step`` copies the others).
-        run: runs the kernel on a :class:`TailCall`.
-    """
-
-    name: str
-    rules: GradRules
-    buffers: Callable[[Mapping[str, Any]], list[tuple[str, str]]]
-    written: tuple[str, ...]
-    run: Callable[[TailCall], None]
 
 
 def _decay(params: list[Tensor], decays: list[bool], lr: float, weight_decay: float) -> None:
