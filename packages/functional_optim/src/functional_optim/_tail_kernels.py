@@ -1,9 +1,9 @@
-"""Fused chain tails: a scaling transform's declaration that ``chain(it, [decay], lr)`` runs
-as one list kernel, and the kernels torch has none for.
+"""The built-in fused chain tails (how ``chain(<scaling>, [decay], lr)`` runs as one list
+kernel), and the kernels torch has none for.
 
 A scaling transform (``scale_by_adam``, ``scale_by_lion``, ``scale_by_rms``,
-``scale_by_adamax``) names its :class:`FusedTail` in its :class:`~functional_optim._lists.
-ListTransform`. When a chain ends in that transform, an optional ``add_decayed_weights(wd)``
+``scale_by_adamax``) names its tail (a :class:`functional_optim._lists.FusedTail`) in its
+``ListTransform``. When a chain ends in that transform, an optional ``add_decayed_weights(wd)``
 (masked or not) and a learning rate, :mod:`functional_optim._fusion` runs the tail's kernel
 instead of the three components: it only matches that shape, and reads everything else (torch's
 checks, the state lists the kernel reads and writes, the call) from the declaration, so a new
