@@ -139,12 +139,13 @@ def test_float64_params_are_declined(calls: _Calls) -> None:
 
 @needs_extension
 def test_a_declined_call_writes_nothing() -> None:
-    """A list that does not fit (a wrong size, a non-contiguous tensor, a float64 counter)
+    """A list that does not fit (a wrong size, a non-contiguous tensor, a float64 counter, no
+    counters)
     returns False before any counter or buffer is written."""
     fast = _out_of_place.for_kernel(fo.kernels.adam)
     assert fast is not None
     old = [torch.randn(9) for _ in range(3)]
-    for bad in ("size", "strides", "counter"):
+    for bad in ("size", "strides", "counter", "no counters"):
         new = [torch.zeros(9) for _ in range(3)]
         grads = [torch.randn(9)]
         steps = [torch.tensor(1.0)]
@@ -152,14 +153,16 @@ def test_a_declined_call_writes_nothing() -> None:
             new[2] = torch.zeros(8)
         elif bad == "strides":
             grads = [torch.randn(9, 2)[:, 0]]
-        else:
+        elif bad == "counter":
             steps = [torch.tensor(1.0, dtype=torch.float64)]
+        else:
+            steps = []
         args = [[new[0]], grads, [new[1]], [new[2]], [], steps, False, 0.9, 0.99, 0.1, 0.0, 1e-8]
         args.append(False)
         olds = [[old[0]], None, [old[1]], [old[2]], None, None]
         assert not fast(args, olds + [None] * 7), bad
         assert all(not t.any() for t in new), bad
-        assert steps[0].item() == 1.0, bad
+        assert all(s.item() == 1.0 for s in steps), bad
 
 
 def test_a_kernel_that_disagrees_with_torch_is_not_used() -> None:

@@ -65,7 +65,7 @@ def _adam(decoupled: bool) -> OutOfPlace:
         module = extension()
         if module is None:
             return False
-        numel = module.fitting_numel([*before, *after, a.grads], a.state_steps)
+        numel = module.fitting_numel([*before, *after, a.grads], a.state_steps, True)
         if numel < 0:
             return False
         hyper = (*map(float, scalars), bool(a.amsgrad), bool(a.maximize), decoupled)
@@ -89,7 +89,7 @@ def _sgd(args: Sequence[Any], old: Sequence[Sequence[Tensor] | None]) -> bool:
     module = extension()
     if module is None:
         return False
-    numel = module.fitting_numel([*before, *after, a.grads], [])
+    numel = module.fitting_numel([*before, *after, a.grads], [], False)
     if numel < 0:
         return False
     flags = (bool(a.nesterov), bool(a.maximize), _streams(numel, after))

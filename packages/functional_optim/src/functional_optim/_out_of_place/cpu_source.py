@@ -76,22 +76,23 @@ float advance(const at::Tensor& step) {
 }  // namespace
 
 // The number of elements of the params when every list holds one contiguous fp32 CPU tensor
-// per param, of the param's size, and ``counts`` one fp32 CPU counter per param (an empty
-// list: no counters); else -1.
-int64_t fitting_numel(const Lists& lists, const std::vector<at::Tensor>& counts) {
+// per param, of the param's size, and (``with_counts``) ``counts`` one fp32 CPU counter per
+// param; else -1.
+int64_t fitting_numel(const Lists& lists, const std::vector<at::Tensor>& counts,
+                      bool with_counts) {
   if (lists.empty()) return -1;
   const size_t count = lists[0].size();
   for (const auto& list : lists) {
     if (list.size() != count) return -1;
   }
-  if (!counts.empty() && counts.size() != count) return -1;
+  if (with_counts && counts.size() != count) return -1;
   int64_t total = 0;
   for (size_t j = 0; j < count; ++j) {
     const int64_t n = lists[0][j].numel();
     for (const auto& list : lists) {
       if (!plain(list[j]) || list[j].numel() != n) return -1;
     }
-    if (!counts.empty() && (!plain(counts[j]) || counts[j].numel() != 1)) return -1;
+    if (with_counts && (!plain(counts[j]) || counts[j].numel() != 1)) return -1;
     total += n;
   }
   return total;
