@@ -60,7 +60,6 @@ from functional_optim._tree import PyTree
 
 __all__ = ["chain_step", "check_tail", "plan_tail", "view_step"]
 
-Tail = Callable[[PyTree, LeafView, list[Tensor], list[Any]], None]
 ViewStep = Callable[[PyTree, LeafView, Any], Any]
 
 #: chain step -> the same step on a view built by the caller (no second flatten of the trees)
