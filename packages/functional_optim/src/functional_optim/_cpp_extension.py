@@ -41,10 +41,22 @@ def load(
         source: the C++ source.
         functions: the functions to export.
         flags: extra compiler flags (instruction sets, macros).
-        threads: build with OpenMP, so that ``at::parallel_for`` runs on torch's threads
-            (without it the loop runs on the calling thread only).
+        threads: build with OpenMP, so that ``at::parallel_for`` runs on torch's threads;
+            where the compiler has no OpenMP (Apple's clang), the module is built without it
+            (``<name>_serial``: the loop runs on the calling thread, with the same results).
     """
-    openmp = ["-fopenmp"] if threads else []
+    if threads:
+        module = _build(name, source, functions, [*flags, "-fopenmp"], ["-fopenmp"])
+        if module is not None:
+            return module
+        _LOG.warning("building %s without OpenMP: its loops run on one thread", name)
+        name = f"{name}_serial"
+    return _build(name, source, functions, flags, [])
+
+
+def _build(
+    name: str, source: str, functions: Sequence[str], flags: Sequence[str], ldflags: list[str]
+) -> Any | None:
     try:
         from torch.utils.cpp_extension import load_inline
 
@@ -52,10 +64,10 @@ def load(
             name,
             cpp_sources=[source],
             functions=list(functions),
-            extra_cflags=EXACT_FLAGS + list(flags) + openmp,
-            extra_ldflags=openmp,
+            extra_cflags=EXACT_FLAGS + list(flags),
+            extra_ldflags=ldflags,
             verbose=False,
         )
     except Exception as error:  # no compiler, no ninja, a read-only cache: the torch ops
-        _LOG.warning("C++ kernels %s are not available (%s); using torch ops", name, error)
+        _LOG.warning("C++ kernels %s are not available (%s)", name, error)
         return None
