@@ -25,12 +25,13 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from functional_optim._recording import REQUIRES_GRAD
+
 __all__ = ["MAX_GENERATIONS", "Generation", "Layout", "Pool"]
 
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 #: Generations a pool keeps for reuse: two alternate in a loop, a third covers a caller that
 #: holds one older state (or the gathered copy of state built elsewhere).
@@ -175,7 +176,7 @@ class Pool:
         for flats, views in zip(gen.flats, gen.views, strict=True):
             if max(map(sys.getrefcount, views), default=_LIST_ONLY) > _LIST_ONLY:
                 return False
-            if any(map(_REQUIRES_GRAD, views)):
+            if any(map(REQUIRES_GRAD, views)):
                 return False
             for flat, expected in zip(flats, self._unshared_count, strict=True):
                 if use_count(flat.untyped_storage()._cdata) != expected:

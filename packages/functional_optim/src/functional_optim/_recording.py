@@ -11,10 +11,10 @@ from torch import Tensor
 
 from functional_optim._tree import PyTree, tree_leaves
 
-__all__ = ["leaves_recording", "recording"]
+__all__ = ["REQUIRES_GRAD", "leaves_recording", "recording"]
 
 #: ``tensor.requires_grad`` as a C function (a ``TypeError`` for anything but a tensor)
-_REQUIRES_GRAD: Callable[[Any], bool] = Tensor.requires_grad.__get__  # type: ignore[attr-defined]
+REQUIRES_GRAD: Callable[[Any], bool] = Tensor.requires_grad.__get__  # type: ignore[attr-defined]
 
 
 def recording(*trees: PyTree) -> bool:
@@ -30,9 +30,9 @@ def leaves_recording(*leaf_lists: list[Any]) -> bool:
         return False
     for leaves in leaf_lists:
         try:  # every leaf a tensor (params, gradients): one C loop
-            if any(map(_REQUIRES_GRAD, leaves)):
+            if any(map(REQUIRES_GRAD, leaves)):
                 return True
         except TypeError:  # a state with a count or a hyperparameter among its leaves
-            if any(map(_REQUIRES_GRAD, [x for x in leaves if isinstance(x, Tensor)])):
+            if any(map(REQUIRES_GRAD, [x for x in leaves if isinstance(x, Tensor)])):
                 return True
     return False
